@@ -1,0 +1,242 @@
+"""sglang-cp's command-line flags: names, defaults, help and validation, in one place.
+
+The flags are added to SGLang's own parser (see ``integration/server_args_cli.py``) as
+their own argument group, copied onto the ``ServerArgs`` record as plain attributes
+(they survive pickling into the scheduler, detokenizer and DP-controller processes), and
+validated before any model loads. Every flag defaults to off; with none given, the
+record is exactly what upstream would build.
+
+This module imports no sglang: it works on any object that carries the attributes
+(an ``argparse.Namespace``, a ``ServerArgs``), so it is testable and reusable alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+GROUP_TITLE = "sglang-cp (context-parallel tiered KV cache)"
+GROUP_DESCRIPTION = (
+    "Flags added by the sglang-cp plugin. All default off; with none given SGLang "
+    "behaves exactly as without the plugin. Kill switch: SGLANG_CP_DISABLE=1."
+)
+COLD_START_CHOICES = ("clear", "load", "verify")
+# Name under which our store is handed to upstream's dynamic storage-backend factory.
+L3_BACKEND_NAME = "sglang_cp_l3"
+
+
+class CpArgsError(ValueError):
+    """A bad combination or value of our flags; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class CpFlags:
+    """Our flags with their defaults; attribute names are the CLI names with '_'."""
+
+    enable_cp_l3: bool = False
+    cp_l3_config: Optional[str] = None
+    cp_l3_cold_start: str = "clear"
+    enable_cp_shared_physical_l2_hicache: bool = False
+    cp_shared_l2_hugetlbfs_dir: str = "/dev/hugepages"
+    cp_hicache_max_slab_gb: float = 480.0
+    cp_hicache_placement_assert: bool = False
+
+
+FLAG_NAMES = tuple(f.name for f in fields(CpFlags))
+_DEFAULTS = CpFlags()
+
+# (flag, argparse kwargs). Help strings are user documentation: README's flag table is
+# generated from them (scripts/gen_flags_table.py), so keep them complete sentences.
+_ARGS = (
+    (
+        "--enable-cp-l3",
+        dict(
+            action="store_true",
+            help="Persist HiCache pages to the crash-consistent NVMe tier (L3) and reload "
+            "them on a miss. Needs --enable-hierarchical-cache and --cp-l3-config. Under "
+            "CP each rank persists only the pages it owns.",
+        ),
+    ),
+    (
+        "--cp-l3-config",
+        dict(
+            type=str,
+            default=None,
+            metavar="PATH",
+            help="TOML file describing the L3 tier: disks, capacity per disk, rank->disk "
+            "map, slot sizes, LMDB index dir and map size, GC watermarks, PLP policy.",
+        ),
+    ),
+    (
+        "--cp-l3-cold-start",
+        dict(
+            type=str,
+            default=_DEFAULTS.cp_l3_cold_start,
+            choices=COLD_START_CHOICES,
+            help="What L3 does with pages already on disk at startup: 'clear' starts "
+            "empty; 'load' rebuilds each rank's slots from its slab headers cross-checked "
+            "with the index; 'verify' is 'load' plus a full CRC scan.",
+        ),
+    ),
+    (
+        "--enable-cp-shared-physical-l2-hicache",
+        dict(
+            action="store_true",
+            help="Allocate every HiCache host pool of the rank from hugetlbfs files, in "
+            "slabs of at most --cp-hicache-max-slab-gb, each one cudaHostRegister; "
+            "no fallback to ordinary memory.",
+        ),
+    ),
+    (
+        "--cp-shared-l2-hugetlbfs-dir",
+        dict(
+            type=str,
+            default=_DEFAULTS.cp_shared_l2_hugetlbfs_dir,
+            metavar="PATH",
+            help="Mount point of the hugetlbfs used by --enable-cp-shared-physical-l2-hicache.",
+        ),
+    ),
+    (
+        "--cp-hicache-max-slab-gb",
+        dict(
+            type=float,
+            default=_DEFAULTS.cp_hicache_max_slab_gb,
+            metavar="GB",
+            help="Largest host slab (GiB) registered with one cudaHostRegister call; "
+            "larger host pools are split into page-aligned slabs and no transfer "
+            "straddles a slab.",
+        ),
+    ),
+    (
+        "--cp-hicache-placement-assert",
+        dict(
+            action="store_true",
+            help="Debug: check that all CP ranks agree on KV page placement (digest "
+            "MIN/MAX over the CP group). Costs collectives; not for production.",
+        ),
+    ),
+)
+
+
+def add_cli_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add our flags to ``parser`` as one argument group; a second call is a no-op."""
+    for action in parser._actions:
+        if "--enable-cp-l3" in action.option_strings:
+            return None
+    group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
+    for flag, kwargs in _ARGS:
+        group.add_argument(flag, **kwargs)
+    return group
+
+
+def arg_specs() -> list[tuple[str, dict]]:
+    """The flags and their argparse kwargs (for docs generation)."""
+    return [(flag, dict(kwargs)) for flag, kwargs in _ARGS]
+
+
+def copy_flags(src: Any, dst: Any) -> None:
+    """Copy our flags from a parsed namespace onto a ServerArgs record (defaults if absent)."""
+    for name in FLAG_NAMES:
+        setattr(dst, name, getattr(src, name, getattr(_DEFAULTS, name)))
+
+
+def flags_of(obj: Any) -> CpFlags:
+    """Our flags as carried by ``obj`` (a ServerArgs or Namespace); defaults where absent."""
+    return CpFlags(**{n: getattr(obj, n, getattr(_DEFAULTS, n)) for n in FLAG_NAMES})
+
+
+def any_enabled(obj: Any) -> bool:
+    f = flags_of(obj)
+    return f.enable_cp_l3 or f.enable_cp_shared_physical_l2_hicache or f.cp_hicache_placement_assert
+
+
+def storage_backend_is_ours(server_args: Any) -> bool:
+    """True when the HiCache storage backend was selected by us (issue #5's wiring)."""
+    if getattr(server_args, "hicache_storage_backend", None) != "dynamic":
+        return False
+    extra = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    return isinstance(extra, str) and L3_BACKEND_NAME in extra
+
+
+def validate(server_args: Any, *, check_paths: bool = True) -> CpFlags:
+    """Validate our flags against each other and against SGLang's own flags.
+
+    Raises CpArgsError naming the flag (or TOML field) and the fix. Pure apart from
+    reading the L3 config file and statting paths; safe to call more than once.
+    """
+    f = flags_of(server_args)
+    hicache = bool(getattr(server_args, "enable_hierarchical_cache", False))
+    backend = getattr(server_args, "hicache_storage_backend", None)
+
+    if f.cp_l3_cold_start not in COLD_START_CHOICES:
+        raise CpArgsError(
+            f"--cp-l3-cold-start must be one of {', '.join(COLD_START_CHOICES)}; "
+            f"got {f.cp_l3_cold_start!r}."
+        )
+    if f.cp_l3_config is not None and not f.enable_cp_l3:
+        raise CpArgsError(
+            "--cp-l3-config is given but --enable-cp-l3 is not: add --enable-cp-l3 to use "
+            "the L3 tier, or drop --cp-l3-config."
+        )
+    if f.enable_cp_l3:
+        if not hicache:
+            raise CpArgsError(
+                "--enable-cp-l3 needs --enable-hierarchical-cache: the L3 tier persists "
+                "pages of the HiCache host pool. Add --enable-hierarchical-cache."
+            )
+        if not f.cp_l3_config:
+            raise CpArgsError(
+                "--enable-cp-l3 needs --cp-l3-config PATH (a TOML file naming the disks, "
+                "capacity and LMDB index dir); see examples/l3.single-nvme.toml."
+            )
+        if backend is not None and not storage_backend_is_ours(server_args):
+            raise CpArgsError(
+                f"--enable-cp-l3 selects sglang-cp's L3 store as the HiCache storage "
+                f"backend and excludes --hicache-storage-backend {backend}. Drop "
+                f"--hicache-storage-backend, or drop --enable-cp-l3."
+            )
+        if check_paths:
+            load_config(f.cp_l3_config)
+    if f.enable_cp_shared_physical_l2_hicache:
+        if not hicache:
+            raise CpArgsError(
+                "--enable-cp-shared-physical-l2-hicache needs --enable-hierarchical-cache: "
+                "it changes where the HiCache host pool lives. Add --enable-hierarchical-cache."
+            )
+        if check_paths and not os.path.isdir(f.cp_shared_l2_hugetlbfs_dir):
+            raise CpArgsError(
+                f"--cp-shared-l2-hugetlbfs-dir {f.cp_shared_l2_hugetlbfs_dir!r} is not a "
+                f"directory. Mount hugetlbfs there (mount -t hugetlbfs none "
+                f"{f.cp_shared_l2_hugetlbfs_dir}) or point the flag at an existing mount."
+            )
+    if not (f.cp_hicache_max_slab_gb > 0):
+        raise CpArgsError(
+            f"--cp-hicache-max-slab-gb must be > 0 (GiB per cudaHostRegister call); got "
+            f"{f.cp_hicache_max_slab_gb}. The default 480 is safe on current drivers."
+        )
+    if f.cp_hicache_placement_assert and not hicache:
+        raise CpArgsError(
+            "--cp-hicache-placement-assert checks HiCache placement across CP ranks and "
+            "needs --enable-hierarchical-cache. Add it, or drop the assert flag."
+        )
+    return f
+
+
+def load_config(path: str):
+    """Load and fully validate the L3 TOML; errors are re-raised naming the flag."""
+    from sglang_cp.l3.config import L3ConfigError, load_l3_config
+
+    if not os.path.isfile(path):
+        raise CpArgsError(
+            f"--cp-l3-config {path!r}: no such file. Pass the path of an L3 TOML file "
+            f"(examples/l3.single-nvme.toml is a template)."
+        )
+    try:
+        return load_l3_config(path)
+    except L3ConfigError as e:
+        raise CpArgsError(f"--cp-l3-config {path}: {e}") from e

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One-command setup of the sglang-cp development environment on a fresh machine.
+#
+#   bash scripts/setup_env.sh            # creates/updates .venv in the repo root
+#
+# Idempotent: every step checks what is already installed and skips itself, so a
+# second run takes seconds. Order matters:
+#   1. torch 2.14.1 + torchvision 0.29.1 (sglang 0.5.23's pin; pip takes them from the
+#      machine's local wheel dir; uv/poetry would download ~3 GB instead).
+#   2. sglang==0.5.23 with --no-deps: its declared deps include CUDA-only kernels
+#      (flashinfer, sgl-kernel, flash-attn, ...) that neither install nor are needed
+#      to import the modules we hook.
+#   3. the pure-Python packages those modules import, pinned by scripts/constraints.txt.
+#   4. this project, editable, with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${SGLANG_CP_VENV:-.venv}"
+PYTHON="${PYTHON:-python3.11}"
+CONSTRAINTS="scripts/constraints.txt"
+t0=$SECONDS
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $PYTHON"
+  "$PYTHON" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "need Python 3.11, got %s" % sys.version' 
+
+# Print the requirements (name==version) that are not installed at exactly that version.
+missing() {
+  "$VPY" - "$@" <<'PYEOF'
+import sys, importlib.metadata as md
+for req in sys.argv[1:]:
+    name, _, ver = req.partition("==")
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        have = None
+    if have is None or (ver and have != ver):
+        print(req)
+PYEOF
+}
+
+step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
+  local label="$1"; shift
+  local reqs=() a
+  for a in "$@"; do case "$a" in -*) ;; *) reqs+=("$a") ;; esac; done
+  if [ -z "$(missing "${reqs[@]}")" ]; then
+    echo "[setup] $label: already installed"
+    return 0
+  fi
+  local s=$SECONDS
+  echo "[setup] $label: installing"
+  "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true
+  [ -z "$(missing "${reqs[@]}")" ] || { echo "[setup] $label: FAILED to install: $(missing "${reqs[@]}")"; exit 1; }
+  echo "[setup] $label: done in $((SECONDS - s)) s"
+}
+
+step "torch" torch==2.14.1 torchvision==0.29.1
+step "sglang (no deps)" --no-deps sglang==0.5.23
+step "sglang's pure-Python imports" --constraint="$CONSTRAINTS" \
+  numpy==2.4.6 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 \
+  packaging==26.4 pillow==13.0.0 starlette==1.10.0 msgspec==0.22.0 pydantic==2.14.4 \
+  pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5 \
+  transformers==5.19.0 tokenizers==0.23.2 apache-tvm-ffi==0.1.11 uvloop==0.23.0 \
+  setproctitle==1.3.8 dill==0.4.1 sentencepiece==0.2.1 compressed-tensors==0.18.0 \
+  gguf==0.19.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 einops==0.8.2 \
+  uvicorn==0.54.0 fastapi==0.165.0 jsonschema==4.26.0 xgrammar==0.2.7 \
+  soundfile==0.13.1 python-multipart==0.0.34 pytest==9.2.0 lmdb==3.0.0 \
+  prometheus_client==0.26.0 rich==15.0.0 crc32c==2.9.post0 hypothesis==6.155.2
+
+# The project itself (editable). Re-installed only when pyproject.toml changed, so the
+# entry points (plugin group, console script) always match the checked-out metadata.
+stamp="$VENV/.sglang_cp_pyproject.sha"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VPY" -c 'import sglang_cp' 2>/dev/null; then
+  s=$SECONDS
+  echo "[setup] sglang-cp (editable): installing"
+  "$VPY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
+  "$VPY" -c 'import sglang_cp' || { echo "[setup] sglang-cp failed to install"; exit 1; }
+  echo "$want" > "$stamp"
+  echo "[setup] sglang-cp: done in $((SECONDS - s)) s"
+else
+  echo "[setup] sglang-cp (editable): already installed"
+fi
+echo "[setup] environment ready in $((SECONDS - t0)) s ($VENV)"
