@@ -1,0 +1,283 @@
+"""``sglang-cp doctor``: can this machine run what the user asked for?
+
+Each check yields rows (area, item, status, detail). Status is one of OK, INFO, WARN,
+FAIL; any FAIL makes the command exit non-zero, because it names something that would
+stop the server at startup (or, worse, make it run without what was asked for).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import mmap
+import os
+import platform
+import uuid
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+OK, INFO, WARN, FAIL = "OK", "INFO", "WARN", "FAIL"
+HUGETLBFS_MAGIC = 0x958458F6
+GiB = 1 << 30
+
+
+@dataclass
+class Row:
+    area: str
+    item: str
+    status: str
+    detail: str
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def check_versions() -> Iterable[Row]:
+    yield Row("versions", "python", INFO, platform.python_version())
+    for dist, required in (("sglang", "0.5.23"), ("torch", None), ("sglang-cp", None)):
+        v = _version(dist)
+        if v is None:
+            yield Row("versions", dist, FAIL, "not installed: run `bash scripts/setup_env.sh`")
+        elif required and v != required:
+            yield Row("versions", dist, FAIL, f"{v} installed; sglang-cp is pinned to {required}")
+        else:
+            yield Row("versions", dist, OK, v)
+
+
+def check_plugin() -> Iterable[Row]:
+    eps = [ep for ep in md.entry_points(group="sglang.srt.plugins") if ep.name == "sglang_cp"]
+    if not eps:
+        yield Row("plugin", "entry point", FAIL, "sglang.srt.plugins:sglang_cp not found; `pip install -e .`")
+    else:
+        yield Row("plugin", "entry point", OK, eps[0].value)
+    if os.environ.get("SGLANG_CP_DISABLE"):
+        yield Row("plugin", "kill switch", WARN, "SGLANG_CP_DISABLE is set: the plugin will not load")
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and "sglang_cp" not in allowed.split(","):
+        yield Row("plugin", "SGLANG_PLUGINS", WARN, f"{allowed!r} does not name sglang_cp: it will not load")
+
+
+def unresolved_hook_targets() -> list[tuple[str, str, str]]:
+    """(module, target, error) for every hook target that does not resolve upstream."""
+    import pkgutil
+
+    from sglang_cp.integration import all_hooks
+
+    bad = []
+    for module, spec in all_hooks():
+        try:
+            if spec.kind == "resolution":
+                from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
+
+                if spec.target not in _OVERRIDABLE_HOOKS:
+                    raise LookupError("not an overridable resolution step")
+            else:
+                pkgutil.resolve_name(spec.target)
+        except Exception as e:  # report every failure, not only the first
+            bad.append((module, spec.target, f"{type(e).__name__}: {e}"))
+    return bad
+
+
+def check_hooks() -> Iterable[Row]:
+    from sglang_cp.integration import all_hooks
+
+    try:
+        total = len(all_hooks())
+        bad = unresolved_hook_targets()
+    except Exception as e:
+        yield Row("hooks", "import", FAIL, f"{type(e).__name__}: {e}")
+        return
+    if not bad:
+        yield Row("hooks", "upstream targets", OK, f"all {total} resolve in the installed sglang")
+    for module, target, err in bad:
+        yield Row("hooks", target, FAIL, f"{module}: {err}")
+
+
+def probe_odirect(directory: str) -> tuple[bool, str]:
+    """Write, fdatasync and read back one 4 KiB block with O_DIRECT in ``directory``."""
+    path = os.path.join(directory, f".sglang-cp-odirect-probe-{uuid.uuid4().hex}")
+    buf = mmap.mmap(-1, 4096)
+    buf.write(b"\xa5" * 4096)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as e:
+        return False, f"open(O_DIRECT) failed: {e.strerror}"
+    try:
+        os.pwritev(fd, [buf], 0)
+        os.fdatasync(fd)
+        back = mmap.mmap(-1, 4096)
+        n = os.preadv(fd, [back], 0)
+        ok = n == 4096 and back[:] == buf[:]
+        return ok, "write+fdatasync+read of 4 KiB ok" if ok else "read-back mismatch"
+    except OSError as e:
+        return False, f"O_DIRECT I/O failed: {e.strerror}"
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _writable(directory: str) -> tuple[bool, str]:
+    path = os.path.join(directory, f".sglang-cp-write-probe-{uuid.uuid4().hex}")
+    try:
+        with open(path, "wb") as f:
+            f.write(b"x")
+        os.unlink(path)
+        return True, "writable"
+    except OSError as e:
+        return False, f"not writable: {e.strerror}"
+
+
+def check_l3_config(path: str) -> Iterable[Row]:
+    from sglang_cp.args import CpArgsError, load_config
+
+    try:
+        cfg = load_config(path)
+    except CpArgsError as e:
+        yield Row("l3 config", path, FAIL, str(e))
+        return
+    yield Row("l3 config", path, OK, "schema valid")
+    index_dir = cfg.index.dir
+    ok, detail = _writable(index_dir)
+    yield Row("l3 index", index_dir, OK if ok else FAIL, f"LMDB dir {detail}")
+    for disk in cfg.disks:
+        ok, detail = probe_odirect(disk.path)
+        yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
+        st = os.statvfs(disk.path)
+        free = st.f_bavail * st.f_frsize
+        have = free + _existing_slab_bytes(disk.path)
+        need = int(disk.capacity_gb * GiB)
+        status = OK if have >= need else FAIL
+        fix = "" if status == OK else "; lower capacity_gb or free space"
+        yield Row(
+            "l3 disk",
+            f"{disk.name}: space",
+            status,
+            f"capacity_gb {disk.capacity_gb:g} needs {need / GiB:.1f} GiB; "
+            f"{free / GiB:.1f} GiB free{fix}",
+        )
+        yield from _plp_rows(disk.name, disk.path)
+
+
+def _existing_slab_bytes(directory: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for f in files:
+            if f.endswith(".slab"):
+                try:
+                    total += os.stat(os.path.join(root, f)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def _plp_rows(name: str, path: str) -> Iterable[Row]:
+    try:
+        from sglang_cp.l3.config import probe_volatile_write_cache
+
+        volatile, detail = probe_volatile_write_cache(path)
+    except ImportError:
+        return
+    except Exception as e:
+        yield Row("l3 disk", f"{name}: write cache", WARN, f"probe failed: {e}")
+        return
+    if volatile is None:
+        yield Row("l3 disk", f"{name}: write cache", INFO, detail)
+    else:
+        yield Row("l3 disk", f"{name}: write cache", WARN if volatile else OK, detail)
+
+
+def hugetlbfs_mounts() -> list[str]:
+    mounts = []
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "hugetlbfs":
+                    mounts.append(parts[1])
+    except OSError:
+        pass
+    return mounts
+
+
+def check_hugepages(hugetlbfs_dir: Optional[str], hicache_size_gb: Optional[float],
+                    max_slab_gb: float, required: bool) -> Iterable[Row]:
+    mounts = hugetlbfs_mounts()
+    if not mounts:
+        yield Row(
+            "hugepages",
+            "hugetlbfs mounts",
+            FAIL if required else INFO,
+            "none mounted; `echo N > /proc/sys/vm/nr_hugepages && mount -t hugetlbfs none "
+            "/dev/hugepages` to use --enable-cp-shared-physical-l2-hicache",
+        )
+    for m in mounts:
+        st = os.statvfs(m)
+        yield Row(
+            "hugepages",
+            m,
+            OK,
+            f"page {st.f_bsize >> 20} MiB, total {st.f_blocks}, free {st.f_bavail} "
+            f"({st.f_bavail * st.f_bsize / GiB:.1f} GiB)",
+        )
+    if required and hugetlbfs_dir and hugetlbfs_dir not in mounts:
+        yield Row("hugepages", hugetlbfs_dir, FAIL, "is not a hugetlbfs mount point")
+    try:
+        from sglang_cp.l2 import doctor_report  # issue #8: slab plan for a given size
+    except ImportError:
+        return
+    for area, item, status, detail in doctor_report(hugetlbfs_dir, hicache_size_gb, max_slab_gb):
+        yield Row(area, item, status, detail)
+
+
+def check_cuda() -> Iterable[Row]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+            yield Row("cuda", "devices", OK, f"{torch.cuda.device_count()} x {', '.join(names)}")
+        else:
+            yield Row("cuda", "devices", INFO, "no CUDA device: CPU-only checks and tests only")
+    except Exception as e:
+        yield Row("cuda", "torch", WARN, f"torch import failed: {e}")
+
+
+def run_checks(cp_l3_config: Optional[str] = None, hugetlbfs_dir: Optional[str] = None,
+               hicache_size_gb: Optional[float] = None, max_slab_gb: float = 480.0,
+               require_hugepages: bool = False) -> list[Row]:
+    rows: list[Row] = []
+    rows += check_versions()
+    rows += check_plugin()
+    rows += check_hooks()
+    if cp_l3_config:
+        rows += check_l3_config(cp_l3_config)
+    rows += check_hugepages(hugetlbfs_dir, hicache_size_gb, max_slab_gb, require_hugepages)
+    rows += check_cuda()
+    return rows
+
+
+def render(rows: list[Row], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="sglang-cp doctor", show_lines=False)
+    for col in ("area", "item", "status", "detail"):
+        table.add_column(col, overflow="fold")
+    style = {OK: "green", INFO: "cyan", WARN: "yellow", FAIL: "bold red"}
+    for r in rows:
+        table.add_row(r.area, r.item, f"[{style[r.status]}]{r.status}[/]", r.detail)
+    console.print(table)
+    fails = sum(r.status == FAIL for r in rows)
+    console.print(f"{fails} blocking problem(s)" if fails else "no blocking problems")
+
+
+def exit_code(rows: list[Row]) -> int:
+    return 1 if any(r.status == FAIL for r in rows) else 0
+

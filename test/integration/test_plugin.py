@@ -1,0 +1,203 @@
+"""The plugin against the real pinned sglang: discovery, flags, validation, neutrality.
+
+Processes are real: each scenario starts a fresh interpreter so upstream's one-shot
+``load_plugins()`` and hook patching happen exactly as in a server process.
+"""
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import run_py
+
+PARSE = textwrap.dedent(
+    """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    argv = json.loads(sys.argv[1]) if len(sys.argv) > 1 else ARGV
+    try:
+        a = prepare_server_args(argv)
+        a.resolve_once()
+    except SystemExit as e:
+        print("EXIT", e.code); raise
+    except Exception as e:
+        print("ERROR", type(e).__name__, e); sys.exit(3)
+    names = ["enable_cp_l3", "cp_l3_config", "cp_l3_cold_start",
+             "enable_cp_shared_physical_l2_hicache", "cp_shared_l2_hugetlbfs_dir",
+             "cp_hicache_max_slab_gb", "cp_hicache_placement_assert"]
+    print("FLAGS", json.dumps({n: getattr(a, n, "<absent>") for n in names}))
+    """
+)
+
+
+def parse(argv, env=None):
+    return run_py(PARSE.replace("ARGV", repr(list(argv))), env_extra=env)
+
+
+def test_entry_point_is_discoverable():
+    import importlib.metadata as md
+
+    eps = {ep.name: ep.value for ep in md.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("sglang_cp") == "sglang_cp.plugin:register"
+
+
+def test_upstream_load_plugins_picks_us_up_and_flags_parse(tmp_path):
+    p = parse(["--model-path", "dummy", "--enable-hierarchical-cache",
+               "--cp-hicache-max-slab-gb", "100", "--cp-hicache-placement-assert",
+               "--cp-shared-l2-hugetlbfs-dir", str(tmp_path)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    flags = json.loads(p.stdout.split("FLAGS", 1)[1])
+    assert flags["cp_hicache_max_slab_gb"] == 100.0
+    assert flags["cp_hicache_placement_assert"] is True
+    assert flags["enable_cp_l3"] is False  # defaults reach the record too
+    assert flags["cp_l3_cold_start"] == "clear"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--enable-cp-l3"], "--enable-cp-l3 needs --enable-hierarchical-cache"),
+        (["--enable-hierarchical-cache", "--enable-cp-l3"], "--enable-cp-l3 needs --cp-l3-config"),
+        (["--cp-l3-config", "x.toml"], "--cp-l3-config is given but --enable-cp-l3 is not"),
+        (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "/nonexistent/l3.toml"],
+         "--cp-l3-config '/nonexistent/l3.toml': no such file"),
+        (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+          "--hicache-storage-backend", "file"], "excludes --hicache-storage-backend file"),
+        (["--enable-cp-shared-physical-l2-hicache"],
+         "--enable-cp-shared-physical-l2-hicache needs --enable-hierarchical-cache"),
+        (["--enable-hierarchical-cache", "--enable-cp-shared-physical-l2-hicache",
+          "--cp-shared-l2-hugetlbfs-dir", "/nonexistent/huge"], "is not a directory"),
+        (["--cp-hicache-max-slab-gb", "0"], "--cp-hicache-max-slab-gb must be > 0"),
+        (["--cp-hicache-placement-assert"], "--cp-hicache-placement-assert checks HiCache"),
+    ],
+)
+def test_validation_errors_name_flag_and_fix(argv, needle):
+    p = parse(["--model-path", "dummy", *argv])
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "CpArgsError" in p.stdout and needle in p.stdout, p.stdout
+
+
+def test_bad_choice_is_rejected_by_sglangs_own_parser():
+    p = parse(["--model-path", "dummy", "--cp-l3-cold-start", "maybe"])
+    assert p.returncode == 2
+    assert "--cp-l3-cold-start" in p.stderr and "invalid choice" in p.stderr
+
+
+def test_engine_path_validates_in_resolution():
+    """A record built without the CLI is validated by our resolution hook."""
+    code = textwrap.dedent(
+        """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.server_args import prepare_server_args
+        a = prepare_server_args(["--model-path", "dummy"])
+        a.enable_cp_l3 = True   # set by hand, as an Engine user would
+        try:
+            a.resolve_once()
+        except Exception as e:
+            print("ERROR", type(e).__name__, e)
+        """
+    )
+    p = run_py(code)
+    assert "CpArgsError --enable-cp-l3 needs --enable-hierarchical-cache" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("env", [{"SGLANG_CP_DISABLE": "1"}, {"SGLANG_PLUGINS": "some_other_plugin"}])
+def test_kill_switch_and_allowlist_leave_sglang_untouched(env):
+    p = parse(["--model-path", "dummy", "--enable-cp-l3"], env=env)
+    assert p.returncode == 2 and "unrecognized arguments: --enable-cp-l3" in p.stderr
+
+
+NEUTRAL = textwrap.dedent(
+    """
+    import argparse, io, json, contextlib
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    a = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache",
+                             "--hicache-ratio", "2", "--page-size", "64"])
+    a.resolve_once()
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        parser.print_help()
+    print(json.dumps({"resolved": a.resolved_dict(), "help": buf.getvalue()}, default=repr))
+    """
+)
+
+
+def test_flags_off_is_behaviour_neutral():
+    # Upstream builds some choices from sets: pin the hash seed so both runs order them alike.
+    env = {"COLUMNS": "100", "PYTHONHASHSEED": "0"}
+    on = run_py(NEUTRAL, env_extra=env, check=True)
+    off = run_py(NEUTRAL, env_extra={**env, "SGLANG_CP_DISABLE": "1"}, check=True)
+    on_d, off_d = json.loads(on.stdout.splitlines()[-1]), json.loads(off.stdout.splitlines()[-1])
+    assert on_d["resolved"] == off_d["resolved"]
+    help_on, help_off = on_d["help"], off_d["help"]
+    assert "sglang-cp (context-parallel tiered KV cache)" in help_on
+    assert "sglang-cp" not in help_off
+    # argparse's usage block lists every option, ours included: compare what follows it.
+    help_on, help_off = help_on.split("\n\n", 1)[1], help_off.split("\n\n", 1)[1]
+    # Remove our group (its title line up to the next group or the end); the rest is identical.
+    start = help_on.index("sglang-cp (context-parallel tiered KV cache):")
+    rest = help_on[start:]
+    nxt = rest.find("\n\n", rest.find("--cp-hicache-placement-assert"))
+    stripped = help_on[:start] + (rest[nxt + 2:] if nxt != -1 else "")
+    assert stripped.rstrip() == help_off.rstrip()
+
+
+def test_flags_survive_pickling_into_a_spawned_process(tmp_path):
+    """The scheduler/detokenizer/DP controller get ServerArgs by pickling into spawned processes."""
+    code = textwrap.dedent(
+        f"""
+        import multiprocessing as mp
+        def child(sa, q):
+            q.put((sa.enable_cp_shared_physical_l2_hicache, sa.cp_hicache_max_slab_gb,
+                   sa.cp_shared_l2_hugetlbfs_dir, sa.cp_l3_cold_start, sa.cp_hicache_placement_assert))
+        if __name__ == "__main__":
+            from sglang.srt.plugins import load_plugins
+            load_plugins()
+            from sglang.srt.server_args import prepare_server_args
+            a = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache",
+                "--enable-cp-shared-physical-l2-hicache", "--cp-shared-l2-hugetlbfs-dir", {str(tmp_path)!r},
+                "--cp-hicache-max-slab-gb", "7.5", "--cp-l3-cold-start", "verify",
+                "--cp-hicache-placement-assert"])
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(a, q)); p.start()
+            print("CHILD", q.get(timeout=120)); p.join(60)
+        """
+    )
+    script = tmp_path / "spawn_check.py"
+    script.write_text(code)
+    p = run_py(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", check=True)
+    assert f"CHILD (True, 7.5, {str(tmp_path)!r}, 'verify', True)" in p.stdout, p.stdout
+
+
+def test_register_is_idempotent_and_never_raises():
+    code = textwrap.dedent(
+        """
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        import sglang_cp.plugin as plugin
+        import sglang_cp.integration as integ
+        assert plugin.register() is True
+        n = sum(len(v) for v in HookRegistry._hooks.values())
+        assert plugin.register() is True
+        assert sum(len(v) for v in HookRegistry._hooks.values()) == n, "second call re-registered"
+        # a failing registration is logged and swallowed, and registers nothing
+        plugin._state["registered"] = False
+        HookRegistry.reset()
+        def boom():
+            raise RuntimeError("hook module import failed")
+        integ.all_hooks = boom
+        assert plugin.register() is False
+        assert sum(len(v) for v in HookRegistry._hooks.values()) == 0
+        print("OK", plugin.status()["disabled_reason"])
+        """
+    )
+    p = run_py(code, check=True)
+    assert "OK registration failed: RuntimeError('hook module import failed')" in p.stdout
