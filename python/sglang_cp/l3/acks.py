@@ -1,0 +1,78 @@
+"""Acknowledgements and per-operation completion.
+
+Async users drain `Ack`s from the store's queue; the sync helpers wait on their own op's completion
+and never emit into (or consume from) that queue, so they cannot steal other users' acks.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+
+class AckKind(enum.Enum):
+    GATHERED = "gathered"  # the page was copied into staging; the caller may reuse its buffer
+    DURABLE = "durable"    # ok=True: data + index are on stable storage; ok=False: the write failed
+    READ = "read"          # ok=True: verified bytes are in outs[i]; ok=False: a miss
+
+
+@dataclass(frozen=True)
+class Ack:
+    op: int
+    index_in_op: int
+    key: bytes
+    kind: AckKind
+    ok: bool
+
+
+class OpState:
+    """Completion of one submit_* call: one final result (DURABLE or READ) per page."""
+
+    def __init__(self, op_id: int, keys: list[bytes], sync: bool):
+        self.op_id = op_id
+        self.keys = keys
+        self.sync = sync
+        self.results: list[Optional[bool]] = [None] * len(keys)
+        self.remaining = len(keys)
+        self.done = threading.Event()
+        self.cond = threading.Condition()
+        self.cancelled = False
+        self.running = 0  # pages whose I/O into caller memory is in progress (reads)
+        if not keys:
+            self.done.set()
+
+    def finish(self, i: int, ok: bool) -> bool:
+        """Record page i's final result; True when that completed the op."""
+        with self.cond:
+            if self.results[i] is not None:
+                return False
+            self.results[i] = ok
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+                return True
+            return False
+
+    def begin_io(self) -> bool:
+        with self.cond:
+            if self.cancelled:
+                return False
+            self.running += 1
+            return True
+
+    def end_io(self) -> None:
+        with self.cond:
+            self.running -= 1
+            self.cond.notify_all()
+
+    def cancel_and_quiesce(self) -> None:
+        """Stop pages that have not started; wait for those already writing into caller memory."""
+        with self.cond:
+            self.cancelled = True
+            while self.running:
+                self.cond.wait()
+
+    def final(self) -> list[bool]:
+        return [bool(r) for r in self.results]

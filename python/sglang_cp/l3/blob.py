@@ -1,0 +1,110 @@
+"""The self-describing 64-byte blob header and slot geometry.
+
+A slot holds `[payload][64 B header][zero pad]`; the header follows the payload so that an O_DIRECT read
+can land the payload straight in a 4 KiB-aligned caller buffer (see docs_internal/l3_store.md).
+CRC32C comes from the `crc32c` package (SSE4.2 / ARMv8 hardware path), with the GIL released on big
+buffers so I/O threads checksum in parallel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+
+MAGIC = b"CPL3"
+VERSION = 1
+HEADER_BYTES = 64
+ALIGN = 4096
+_FMT = struct.Struct("<4sHHIIIIQ16sQI")  # everything except the trailing header CRC
+assert _FMT.size == HEADER_BYTES - 4
+
+
+class BlobError(Exception):
+    """A slot does not hold the expected blob; `reason` is a stable counter name."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    payload_tag: int
+    rank: int
+    slot: int
+    length: int
+    digest: bytes
+    seq: int
+    payload_crc: int
+
+
+def crc32c(data, value: int = 0) -> int:
+    return _crc32c.crc32c(data, value, gil_release_mode=1)
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def payload_tag(payload: str) -> int:
+    return _crc32c.crc32c(payload.encode())
+
+
+def key_digest(payload: str, rank: int, key: bytes) -> bytes:
+    """16-byte digest naming (payload, rank, key); the rank keeps ranks' namespaces apart in the shared index."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(payload.encode())
+    h.update(b"\0%d\0" % rank)
+    h.update(key)
+    return h.digest()
+
+
+def write_extent(page_bytes: int) -> int:
+    """Bytes actually written per slot: payload + header rounded to the O_DIRECT block."""
+    return round_up(page_bytes + HEADER_BYTES)
+
+
+def default_slot_bytes(page_bytes: int) -> int:
+    return write_extent(page_bytes)
+
+
+def header_block(page_bytes: int) -> tuple[int, int]:
+    """(offset in slot, length) of the aligned block(s) holding the header: what recovery reads."""
+    start = page_bytes // ALIGN * ALIGN
+    return start, write_extent(page_bytes) - start
+
+
+def pack_header(h: BlobHeader) -> bytes:
+    body = _FMT.pack(MAGIC, VERSION, HEADER_BYTES, h.payload_tag, h.rank, h.slot, 0, h.length, h.digest,
+                     h.seq, h.payload_crc)
+    return body + struct.pack("<I", _crc32c.crc32c(body))
+
+
+def parse_header(buf) -> BlobHeader:
+    """Parse and self-check 64 header bytes; raises BlobError(reason) on anything off."""
+    mv = memoryview(buf)
+    if mv.nbytes < HEADER_BYTES:
+        raise BlobError("short_header", f"{mv.nbytes} bytes")
+    body = mv[: HEADER_BYTES - 4]
+    (stored,) = struct.unpack_from("<I", mv, HEADER_BYTES - 4)
+    if bytes(mv[:4]) != MAGIC:
+        raise BlobError("bad_magic")
+    if _crc32c.crc32c(body) != stored:
+        raise BlobError("header_crc")
+    magic, version, hlen, tag, rank, slot, _res, length, digest, seq, pcrc = _FMT.unpack(body)
+    if version != VERSION or hlen != HEADER_BYTES:
+        raise BlobError("bad_version", f"version {version} header {hlen}")
+    return BlobHeader(tag, rank, slot, length, digest, seq, pcrc)
+
+
+def check_identity(h: BlobHeader, *, payload_tag: int, rank: int, slot: int, length: int, digest: bytes) -> None:
+    """The header must name exactly the blob the index points at; otherwise it is foreign/stale."""
+    if h.payload_tag != payload_tag or h.rank != rank or h.length != length:
+        raise BlobError("foreign_blob", "payload/rank/length differ")
+    if h.slot != slot:
+        raise BlobError("foreign_blob", f"blob of slot {h.slot} found in slot {slot}")
+    if h.digest != digest:
+        raise BlobError("foreign_blob", "key digest differs")

@@ -1,0 +1,322 @@
+"""TOML config of the L3 store: schema, validation and semantics.
+
+`load_l3_config(path)` is called by the server at startup (args.py); every `L3ConfigError` message is
+shown to users verbatim, so each names the TOML field path and the fix. See docs_internal/l3_store.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project runs on 3.11; tomli is the backport
+    import tomli as tomllib
+
+from .errors import L3ConfigError
+from .plp import PlpProbe, probe_write_cache
+
+logger = logging.getLogger(__name__)
+
+GB = 10**9
+ALIGN = 4096
+PLP_POLICIES = ("require", "warn", "ignore")
+_warned_devices: set[str] = set()
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    dir: str
+    map_size_bytes: int
+    max_map_size_bytes: int
+
+
+@dataclass(frozen=True)
+class GcConfig:
+    high_watermark: float = 0.90
+    low_watermark: float = 0.85
+    max_reclaim_per_iter: int = 64
+
+
+@dataclass(frozen=True)
+class IoConfig:
+    threads: int = 4
+    max_inflight_pages: int = 64
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    name: str
+    path: str
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class L3Config:
+    index: IndexConfig
+    disks: tuple[DiskConfig, ...]
+    gc: GcConfig = GcConfig()
+    io: IoConfig = IoConfig()
+    plp_policy: str = "warn"
+    rank_to_disk: dict[int, str] = field(default_factory=dict)
+    slot_bytes: dict[str, int] = field(default_factory=dict)
+    plp_probes: tuple[PlpProbe, ...] = ()
+    source: Optional[str] = None
+
+    def disk_index_for_rank(self, rank: int) -> int:
+        name = self.rank_to_disk.get(rank)
+        if name is None:
+            return rank % len(self.disks)
+        return [d.name for d in self.disks].index(name)
+
+
+_SCHEMA: dict[str, set[str]] = {
+    "": {"index", "gc", "durability", "io", "disks", "rank_to_disk", "slot_bytes"},
+    "index": {"dir", "map_size_gb", "max_map_size_gb"},
+    "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
+    "durability": {"plp_policy"},
+    "io": {"threads", "max_inflight_pages"},
+    "disks": {"name", "path", "capacity_gb"},
+}
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _check_keys(table: dict, where: str, schema_key: str) -> None:
+    allowed = _SCHEMA[schema_key]
+    for key in table:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"allowed keys: {', '.join(sorted(allowed))}"
+            raise L3ConfigError(f"{_join(where, key)}: unknown key; {hint}")
+
+
+def _table(doc: dict, key: str, where: str, required: bool) -> dict:
+    if key not in doc:
+        if required:
+            raise L3ConfigError(f"[{_join(where, key)}]: required table is missing; add it (see docs_internal/l3_store.md)")
+        return {}
+    value = doc[key]
+    if not isinstance(value, dict):
+        raise L3ConfigError(f"{_join(where, key)}: must be a table ([{key}]), got {type(value).__name__}")
+    return value
+
+
+def _number(table: dict, key: str, where: str, default: Optional[float]) -> float:
+    path = _join(where, key)
+    if key not in table:
+        if default is None:
+            raise L3ConfigError(f"{path}: required key is missing; set it to a number")
+        return float(default)
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise L3ConfigError(f"{path}: must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _integer(table: dict, key: str, where: str, default: Optional[int]) -> int:
+    path = _join(where, key)
+    if key not in table:
+        if default is None:
+            raise L3ConfigError(f"{path}: required key is missing; set it to an integer")
+        return default
+    value = table[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise L3ConfigError(f"{path}: must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _string(table: dict, key: str, where: str, default: Optional[str]) -> str:
+    path = _join(where, key)
+    if key not in table:
+        if default is None:
+            raise L3ConfigError(f"{path}: required key is missing; set it to a string")
+        return default
+    value = table[key]
+    if not isinstance(value, str) or not value:
+        raise L3ConfigError(f"{path}: must be a non-empty string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _writable_dir(path: str, field_path: str) -> str:
+    if not os.path.isabs(path):
+        raise L3ConfigError(f"{field_path}: '{path}' must be an absolute path")
+    if not os.path.exists(path):
+        raise L3ConfigError(f"{field_path}: '{path}' does not exist; create it (mkdir -p '{path}') or fix the path")
+    if not os.path.isdir(path):
+        raise L3ConfigError(f"{field_path}: '{path}' is not a directory; point it at a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise L3ConfigError(
+            f"{field_path}: '{path}' is not writable by this process (read-only mount or permissions); "
+            "use a writable directory")
+    return os.path.realpath(path)
+
+
+def _parse_index(doc: dict) -> IndexConfig:
+    t = _table(doc, "index", "", required=True)
+    _check_keys(t, "index", "index")
+    d = _writable_dir(_string(t, "dir", "index", None), "index.dir")
+    size = _number(t, "map_size_gb", "index", 1.0)
+    if size <= 0:
+        raise L3ConfigError(f"index.map_size_gb: must be > 0, got {size}; e.g. 1.0")
+    max_size = _number(t, "max_map_size_gb", "index", 16 * size)
+    if max_size < size:
+        raise L3ConfigError(
+            f"index.max_map_size_gb: {max_size} is below index.map_size_gb {size}; raise it or remove it "
+            "(default 16 x map_size_gb)")
+    return IndexConfig(d, _round_up(int(size * GB), ALIGN), _round_up(int(max_size * GB), ALIGN))
+
+
+def _parse_gc(doc: dict) -> GcConfig:
+    t = _table(doc, "gc", "", required=False)
+    _check_keys(t, "gc", "gc")
+    hi = _number(t, "high_watermark", "gc", 0.90)
+    lo = _number(t, "low_watermark", "gc", 0.85)
+    for name, v in (("high_watermark", hi), ("low_watermark", lo)):
+        if not 0.0 < v <= 1.0:
+            raise L3ConfigError(f"gc.{name}: must be in (0, 1], got {v}")
+    if lo >= hi:
+        raise L3ConfigError(
+            f"gc.low_watermark: {lo} must be below gc.high_watermark {hi} (GC starts above high and reclaims "
+            "down to low); e.g. high 0.90, low 0.85")
+    n = _integer(t, "max_reclaim_per_iter", "gc", 64)
+    if n < 1:
+        raise L3ConfigError(f"gc.max_reclaim_per_iter: must be >= 1, got {n}")
+    return GcConfig(hi, lo, n)
+
+
+def _parse_io(doc: dict) -> IoConfig:
+    t = _table(doc, "io", "", required=False)
+    _check_keys(t, "io", "io")
+    threads = _integer(t, "threads", "io", 4)
+    if not 1 <= threads <= 256:
+        raise L3ConfigError(f"io.threads: must be in [1, 256], got {threads}")
+    inflight = _integer(t, "max_inflight_pages", "io", 64)
+    if inflight < 1:
+        raise L3ConfigError(f"io.max_inflight_pages: must be >= 1, got {inflight}")
+    return IoConfig(threads, inflight)
+
+
+def _parse_disks(doc: dict) -> tuple[DiskConfig, ...]:
+    if "disks" not in doc:
+        raise L3ConfigError("disks: at least one [[disks]] entry is required (name, path, capacity_gb)")
+    raw = doc["disks"]
+    if not isinstance(raw, list) or not raw:
+        raise L3ConfigError("disks: must be a non-empty array of tables ([[disks]]), "
+                            f"got {type(raw).__name__}")
+    disks, names, paths = [], {}, {}
+    for i, t in enumerate(raw):
+        where = f"disks[{i}]"
+        if not isinstance(t, dict):
+            raise L3ConfigError(f"{where}: must be a table with name, path, capacity_gb")
+        _check_keys(t, where, "disks")
+        name = _string(t, "name", where, None)
+        path = _writable_dir(_string(t, "path", where, None), f"{where}.path")
+        cap = _number(t, "capacity_gb", where, None)
+        if cap <= 0:
+            raise L3ConfigError(f"{where}.capacity_gb: must be > 0, got {cap}")
+        if name in names:
+            raise L3ConfigError(f"{where}.name: '{name}' duplicates disks[{names[name]}].name; names must be unique")
+        if path in paths:
+            raise L3ConfigError(
+                f"{where}.path: '{path}' is the same directory as disks[{paths[path]}].path; "
+                "list each directory once and give it the combined capacity_gb")
+        names[name], paths[path] = i, i
+        disks.append(DiskConfig(name, path, int(cap * GB)))
+    return tuple(disks)
+
+
+def _parse_rank_to_disk(doc: dict, disks: tuple[DiskConfig, ...]) -> dict[int, str]:
+    t = _table(doc, "rank_to_disk", "", required=False)
+    known = [d.name for d in disks]
+    out = {}
+    for k, v in t.items():
+        where = f"rank_to_disk.{k!r}" if not str(k).isdigit() else f'rank_to_disk."{k}"'
+        if not str(k).isdigit():
+            raise L3ConfigError(f"{where}: keys must be rank numbers as strings, e.g. \"0\" = \"{known[0]}\"")
+        if not isinstance(v, str) or v not in known:
+            close = difflib.get_close_matches(str(v), known, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known disks: {', '.join(known)}"
+            raise L3ConfigError(f"{where}: names unknown disk {v!r}; {hint}")
+        out[int(k)] = v
+    return out
+
+
+def _parse_slot_bytes(doc: dict) -> dict[str, int]:
+    t = _table(doc, "slot_bytes", "", required=False)
+    out = {}
+    for k, v in t.items():
+        where = f"slot_bytes.{k}"
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise L3ConfigError(f"{where}: must be an integer number of bytes, got {type(v).__name__} {v!r}")
+        if v <= 0 or v % ALIGN:
+            raise L3ConfigError(
+                f"{where}: {v} is not a positive multiple of {ALIGN} (O_DIRECT slots are 4 KiB aligned); "
+                f"use {_round_up(max(v, 1), ALIGN)}")
+        out[k] = v
+    return out
+
+
+def _apply_plp_policy(policy: str, disks: tuple[DiskConfig, ...]) -> tuple[PlpProbe, ...]:
+    probes = tuple(probe_write_cache(d.path) for d in disks)
+    if policy == "ignore":
+        return probes
+    for i, (d, p) in enumerate(zip(disks, probes)):
+        if not p.volatile:
+            continue
+        what = (f"disks[{i}].path '{d.path}' is on device {p.device} whose write cache is volatile "
+                f"(/sys/block/{p.device}/queue/write_cache = 'write back'): without power-loss protection "
+                "a power cut can lose pages after fdatasync if the device ignores flushes")
+        if policy == "require":
+            raise L3ConfigError(
+                f"durability.plp_policy = 'require': {what}. Use a device with PLP / write-through cache, "
+                "or set durability.plp_policy = 'warn'")
+        if p.device not in _warned_devices:
+            _warned_devices.add(p.device)
+            logger.warning("L3: %s (durability.plp_policy = 'warn')", what)
+    return probes
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def parse_l3_config(doc: dict[str, Any], source: Optional[str] = None) -> L3Config:
+    if not isinstance(doc, dict):
+        raise L3ConfigError("config: top level must be a table")
+    _check_keys(doc, "", "")
+    index = _parse_index(doc)
+    gc = _parse_gc(doc)
+    io = _parse_io(doc)
+    dur = _table(doc, "durability", "", required=False)
+    _check_keys(dur, "durability", "durability")
+    policy = _string(dur, "plp_policy", "durability", "warn")
+    if policy not in PLP_POLICIES:
+        raise L3ConfigError(f"durability.plp_policy: {policy!r} is not one of {', '.join(PLP_POLICIES)}")
+    disks = _parse_disks(doc)
+    r2d = _parse_rank_to_disk(doc, disks)
+    slots = _parse_slot_bytes(doc)
+    probes = _apply_plp_policy(policy, disks)
+    return L3Config(index=index, disks=disks, gc=gc, io=io, plp_policy=policy, rank_to_disk=r2d,
+                    slot_bytes=slots, plp_probes=probes, source=source)
+
+
+def load_l3_config(path: str) -> L3Config:
+    """Read and fully validate the TOML at `path`; raises L3ConfigError naming the field and fix."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise L3ConfigError(f"--cp-l3-config: file '{path}' does not exist; pass the path of an L3 TOML config") from None
+    except IsADirectoryError:
+        raise L3ConfigError(f"--cp-l3-config: '{path}' is a directory; pass the TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise L3ConfigError(f"--cp-l3-config: '{path}' is not valid TOML: {e}") from None
+    return parse_l3_config(doc, source=path)

@@ -1,0 +1,85 @@
+"""One preallocated slab file per (rank, disk, payload): fixed slots, O_DIRECT I/O.
+
+`fault_injector` is the seam for fault tests: a callable `(op, slab, slot)` invoked before every
+read/write/sync that may raise OSError (EIO, ENOSPC, ENODEV...) exactly as the kernel would.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Callable, Optional
+
+from .blob import ALIGN, write_extent
+from .errors import L3InvariantError, L3StartupError
+
+FaultInjector = Callable[[str, "DiskSlab", int], None]
+
+
+class DiskSlab:
+    def __init__(self, path: str, *, slot_bytes: int, num_slots: int, page_bytes: int,
+                 fault_injector: Optional[FaultInjector] = None, disk_index: int = 0, field: str = "disks"):
+        if slot_bytes % ALIGN or slot_bytes < write_extent(page_bytes):
+            raise L3StartupError(
+                f"slot_bytes for {os.path.basename(path)}: {slot_bytes} must be a multiple of {ALIGN} and at least "
+                f"{write_extent(page_bytes)} (page {page_bytes} B + 64 B header, rounded up)")
+        self.path = path
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.page_bytes = page_bytes
+        self.extent = write_extent(page_bytes)
+        self.disk_index = disk_index
+        self.fault_injector = fault_injector
+        size = slot_bytes * num_slots
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise L3StartupError(
+                f"{field}: cannot open slab file '{path}' with O_DIRECT ({e.strerror}); the directory must be on "
+                "a filesystem that supports O_DIRECT (ext4/xfs, not tmpfs) and be writable") from None
+        try:
+            if os.fstat(self.fd).st_size > size:
+                os.ftruncate(self.fd, size)  # slots beyond the new count are dropped by recovery
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as e:
+            os.close(self.fd)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise L3StartupError(
+                    f"{field}.capacity_gb: not enough free space to preallocate {size / 1e9:.3f} GB for '{path}'; "
+                    "free space on that disk or lower capacity_gb") from None
+            raise L3StartupError(f"{field}: cannot preallocate '{path}' ({e.strerror})") from None
+
+    def _offset(self, slot: int) -> int:
+        if not (0 <= slot < self.num_slots):
+            raise L3InvariantError(f"slab '{self.path}': slot {slot} overruns the slab ({self.num_slots} slots)")
+        return slot * self.slot_bytes
+
+    def write_slot(self, slot: int, image: memoryview) -> None:
+        """Write one slot image (payload + header, `extent` bytes, aligned). Raises OSError on I/O faults."""
+        off = self._offset(slot)
+        if image.nbytes != self.extent:
+            raise L3InvariantError(f"slab '{self.path}': image of {image.nbytes} B, slot extent is {self.extent} B")
+        if self.fault_injector:
+            self.fault_injector("write", self, slot)
+        n = os.pwrite(self.fd, image, off)
+        if n != self.extent:
+            raise OSError(errno.EIO, f"short write {n}/{self.extent} B at slot {slot}")
+
+    def read_slot(self, slot: int, iovecs: list[memoryview], offset_in_slot: int = 0) -> int:
+        """preadv into aligned iovecs at `offset_in_slot`; returns bytes read (may be short: caller checks)."""
+        off = self._offset(slot) + offset_in_slot
+        if offset_in_slot + sum(v.nbytes for v in iovecs) > self.slot_bytes:
+            raise L3InvariantError(f"slab '{self.path}': read past the end of slot {slot}")
+        if self.fault_injector:
+            self.fault_injector("read", self, slot)
+        return os.preadv(self.fd, iovecs, off)
+
+    def sync(self) -> None:
+        if self.fault_injector:
+            self.fault_injector("sync", self, -1)
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -1,0 +1,242 @@
+"""The node's shared LMDB index: (payload tag, key digest) -> (rank, disk, slot, length, last_access, seq).
+
+One environment per node, opened by every rank process (LMDB serialises writers across processes).
+`sync=True`: a committed transaction is on stable storage, which is what makes "index commit" the
+durability point of a page. A full map grows (x2 up to the configured maximum); in-process readers are
+fenced by a reader/writer lock because LMDB forbids resizing with transactions open in the process.
+When another process grew the map, LMDB reports MapResizedError and we adopt the new size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+from typing import Iterable, NamedTuple, Optional
+
+import lmdb
+
+from .errors import L3StartupError
+
+_VAL = struct.Struct("<HHIIQQQ")
+
+
+class IndexEntry(NamedTuple):
+    rank: int
+    disk: int
+    slot: int
+    payload_tag: int
+    length: int
+    last_access: int
+    seq: int
+
+    def pack(self) -> bytes:
+        return _VAL.pack(*self)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "IndexEntry":
+        return cls(*_VAL.unpack(raw))
+
+
+class IndexFull(Exception):
+    """The map is at its maximum size; the caller fails the batch soft."""
+
+
+class IndexUnavailable(Exception):
+    """LMDB failed for another reason (I/O error, disk full under the env); fail soft."""
+
+
+def index_key(tag: int, digest: bytes) -> bytes:
+    return struct.pack("<I", tag) + digest
+
+
+class _RWLock:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._writer:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class LmdbIndex:
+    def __init__(self, path: str, map_size: int, max_map_size: int):
+        self.path = path
+        self.max_map_size = max_map_size
+        self.grows = 0
+        self._rw = _RWLock()
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(path, map_size=map_size, subdir=True, lock=True, sync=True, metasync=True,
+                                 max_readers=1024, readahead=False, meminit=False, max_dbs=0)
+        except lmdb.Error as e:
+            raise L3StartupError(f"index.dir: cannot open the LMDB index at '{path}' ({e}); "
+                                 "check the directory is writable and on a local filesystem") from None
+        # Another rank may already have grown the map beyond our configured start size.
+        cur = self.env.info()["map_size"]
+        if cur < map_size:
+            self.env.set_mapsize(map_size)
+
+    # -- transactions -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _txn(self, write: bool):
+        for _ in range(3):
+            with self._rw.shared():
+                try:
+                    txn = self.env.begin(write=write)
+                except lmdb.MapResizedError:
+                    pass
+                else:
+                    try:
+                        yield txn
+                    except BaseException:
+                        txn.abort()
+                        raise
+                    else:
+                        txn.commit()
+                    return
+            self._adopt_foreign_resize()
+        raise IndexUnavailable("LMDB map kept being resized by other processes")
+
+    def _adopt_foreign_resize(self) -> None:
+        with self._rw.exclusive():
+            self.env.set_mapsize(0)
+
+    def _grow(self) -> bool:
+        with self._rw.exclusive():
+            cur = self.env.info()["map_size"]
+            if cur >= self.max_map_size:
+                return False
+            self.env.set_mapsize(min(cur * 2, self.max_map_size))
+            self.grows += 1
+            return True
+
+    def _write(self, fn):
+        """Run fn(txn) in a write txn; on MapFull grow and retry; IndexFull when at max."""
+        while True:
+            try:
+                with self._txn(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                if not self._grow():
+                    raise IndexFull(f"LMDB map at index.max_map_size_gb ({self.max_map_size / 1e9:.3f} GB)")
+            except lmdb.Error as e:
+                raise IndexUnavailable(str(e)) from e
+
+    def _read(self, fn):
+        try:
+            with self._txn(write=False) as txn:
+                return fn(txn)
+        except lmdb.Error as e:
+            raise IndexUnavailable(str(e)) from e
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def get_many(self, ikeys: list[bytes]) -> list[Optional[IndexEntry]]:
+        def fn(txn):
+            out = []
+            for k in ikeys:
+                raw = txn.get(k)
+                out.append(IndexEntry.unpack(raw) if raw is not None else None)
+            return out
+        return self._read(fn)
+
+    def exists_prefix(self, ikey_rows: list[list[bytes]]) -> int:
+        """Length of the prefix of rows whose keys are all present; one read txn."""
+        def fn(txn):
+            n = 0
+            for row in ikey_rows:
+                for k in row:
+                    if txn.get(k) is None:
+                        return n
+                n += 1
+            return n
+        return self._read(fn)
+
+    def scan_rank(self, rank: int) -> list[tuple[bytes, IndexEntry]]:
+        def fn(txn):
+            out = []
+            for k, v in txn.cursor():
+                e = IndexEntry.unpack(v)
+                if e.rank == rank:
+                    out.append((bytes(k), e))
+            return out
+        return self._read(fn)
+
+    def count(self) -> int:
+        return self._read(lambda txn: txn.stat()["entries"])
+
+    # -- updates ------------------------------------------------------------------------------------
+
+    def commit(self, puts: Iterable[tuple[bytes, IndexEntry]] = (),
+               deletes: Iterable[tuple[bytes, IndexEntry]] = (),
+               touches: Iterable[tuple[bytes, IndexEntry]] = ()) -> list[bool]:
+        """One durable txn. Deletes and touches apply only if the key still maps to the same
+        (rank, disk, slot, seq): another rank or a newer write may own it now. Returns per-delete flags."""
+        puts, deletes, touches = list(puts), list(deletes), list(touches)
+
+        def same(a: IndexEntry, b: IndexEntry) -> bool:
+            return (a.rank, a.disk, a.slot, a.seq) == (b.rank, b.disk, b.slot, b.seq)
+
+        def fn(txn):
+            flags = []
+            for k, expected in deletes:
+                raw = txn.get(k)
+                ok = raw is not None and same(IndexEntry.unpack(raw), expected)
+                if ok:
+                    txn.delete(k)
+                flags.append(ok)
+            for k, e in touches:
+                raw = txn.get(k)
+                if raw is not None:
+                    cur = IndexEntry.unpack(raw)
+                    if same(cur, e) and cur.last_access < e.last_access:
+                        txn.put(k, cur._replace(last_access=e.last_access).pack())
+            for k, e in puts:
+                txn.put(k, e.pack())
+            return flags
+        if not (puts or deletes or touches):
+            return []
+        return self._write(fn)
+
+    def delete_rank(self, rank: int) -> int:
+        def fn(txn):
+            doomed = [bytes(k) for k, v in txn.cursor() if IndexEntry.unpack(v).rank == rank]
+            for k in doomed:
+                txn.delete(k)
+            return len(doomed)
+        return self._write(fn)
+
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def close(self) -> None:
+        with self._rw.exclusive():
+            self.env.close()

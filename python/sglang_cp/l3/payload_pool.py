@@ -1,0 +1,119 @@
+"""One payload's slab on this rank: slot allocator, LRU, slot owners, and verified slot I/O.
+
+Bookkeeping (slots, lru, owner) is touched only by the write thread (and by recovery before threads
+start). `read_page` / `write_page` run on I/O threads and touch only the slab and the given buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .aligned import ALIGN, BounceBuffers, address_of
+from .blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
+                   parse_header, payload_tag, write_extent)
+from .disk_slab import DiskSlab
+from .errors import L3InvariantError
+from .gc import PageLRU
+from .index import IndexEntry
+from .slot_pool import SlotPool
+
+
+class PayloadPool:
+    def __init__(self, name: str, page_bytes: int, rank: int, slab: DiskSlab):
+        self.name = name
+        self.tag = payload_tag(name)
+        self.page_bytes = page_bytes
+        self.extent = write_extent(page_bytes)
+        self.rank = rank
+        self.slab = slab
+        self.slots = SlotPool(slab.num_slots, name)
+        self.lru = PageLRU()
+        self.owner: dict[int, bytes] = {}
+
+    # -- bookkeeping (write thread) -----------------------------------------------------------------
+
+    def occupy(self, ikey: bytes, entry: IndexEntry) -> None:
+        prev = self.owner.get(entry.slot)
+        if prev is not None and prev != ikey:
+            raise L3InvariantError(f"payload {self.name!r}: slot {entry.slot} already owned by another key")
+        self.owner[entry.slot] = ikey
+        self.lru.add(ikey, entry)
+
+    def release(self, ikey: bytes, entry: IndexEntry) -> None:
+        """Forget a page whose index entry is already deleted, then free its slot (order matters)."""
+        if self.owner.get(entry.slot) != ikey:
+            raise L3InvariantError(f"payload {self.name!r}: releasing slot {entry.slot} not owned by that key")
+        del self.owner[entry.slot]
+        self.lru.remove(ikey)
+        self.slots.free_slot(entry.slot)
+
+    def reset(self) -> None:
+        self.slots.reset()
+        self.lru.clear()
+        self.owner.clear()
+
+    # -- slot I/O (I/O threads) ---------------------------------------------------------------------
+
+    def write_page(self, image: memoryview, slot: int, digest: bytes, seq: int) -> None:
+        """`image[:page_bytes]` already holds the payload; add the header and write the slot."""
+        pcrc = crc32c(image[: self.page_bytes])
+        hdr = pack_header(BlobHeader(self.tag, self.rank, slot, self.page_bytes, digest, seq, pcrc))
+        image[self.page_bytes: self.page_bytes + HEADER_BYTES] = hdr
+        self.slab.write_slot(slot, image[: self.extent])
+
+    def read_page(self, slot: int, digest: bytes, out: memoryview, bounce: BounceBuffers) -> BlobHeader:
+        """Read + verify a slot into `out` (nbytes == page_bytes). Raises BlobError / OSError.
+        On failure `out` may hold partial bytes (documented: a miss leaves outs[i] unspecified)."""
+        pb, ext = self.page_bytes, self.extent
+        aligned_len = pb // ALIGN * ALIGN
+        addr = address_of(out)
+        zero_copy = aligned_len > 0 and addr is not None and addr % ALIGN == 0
+        if zero_copy:
+            tail = bounce.get(ext - aligned_len)
+            n = self.slab.read_slot(slot, [out[:aligned_len], tail])
+            if n != ext:
+                raise BlobError("short_read", f"{n}/{ext} B")
+            hdr = tail[pb - aligned_len: pb - aligned_len + HEADER_BYTES]
+            h = self._check(hdr, slot, digest)
+            if pb > aligned_len:
+                out[aligned_len:] = tail[: pb - aligned_len]
+            if crc32c(out) != h.payload_crc:
+                raise BlobError("crc_mismatch")
+            return h
+        buf = bounce.get(ext)
+        n = self.slab.read_slot(slot, [buf])
+        if n != ext:
+            raise BlobError("short_read", f"{n}/{ext} B")
+        h = self._check(buf[pb: pb + HEADER_BYTES], slot, digest)
+        if crc32c(buf[:pb]) != h.payload_crc:
+            raise BlobError("crc_mismatch")
+        np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(buf[:pb], dtype=np.uint8))
+        return h
+
+    def read_header(self, slot: int, bounce: BounceBuffers) -> BlobHeader:
+        """Header-only read (recovery): one or two aligned blocks, not the whole slot."""
+        off, length = header_block(self.page_bytes)
+        buf = bounce.get(length)
+        n = self.slab.read_slot(slot, [buf], offset_in_slot=off)
+        if n != length:
+            raise BlobError("short_read", f"{n}/{length} B")
+        start = self.page_bytes - off
+        return parse_header(buf[start: start + HEADER_BYTES])
+
+    def verify_payload(self, slot: int, h: BlobHeader, bounce: BounceBuffers) -> None:
+        buf = bounce.get(self.extent)
+        n = self.slab.read_slot(slot, [buf])
+        if n != self.extent:
+            raise BlobError("short_read", f"{n}/{self.extent} B")
+        if crc32c(buf[: self.page_bytes]) != h.payload_crc:
+            raise BlobError("crc_mismatch")
+
+    def _check(self, hdr, slot: int, digest: bytes) -> BlobHeader:
+        h = parse_header(hdr)
+        check_identity(h, payload_tag=self.tag, rank=self.rank, slot=slot, length=self.page_bytes, digest=digest)
+        return h
+
+    def entry_fits(self, e: IndexEntry) -> bool:
+        """An index entry can only name a slot of this slab if geometry and disk agree."""
+        return (e.rank == self.rank and e.payload_tag == self.tag and e.length == self.page_bytes
+                and e.disk == self.slab.disk_index and 0 <= e.slot < self.slab.num_slots)

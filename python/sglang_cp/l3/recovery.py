@@ -1,0 +1,83 @@
+"""Cold start of one rank's L3 state, run before the store's threads start.
+
+clear: delete this rank's index entries, all slots free.
+load: a slot is live iff the index maps a key to exactly that slot AND the slot's header parses, its
+      CRC holds and it names that key digest, payload, rank, slot and length. Live slots are occupied
+      and seed the LRU; every other entry of this rank is deleted from the index, so no slot the index
+      references is ever free, and no two entries share a slot.
+verify: load + a full payload CRC of every live slot.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .aligned import BounceBuffers
+from .blob import BlobError, check_identity
+from .index import IndexEntry, LmdbIndex
+from .payload_pool import PayloadPool
+
+COLD_START_MODES = ("clear", "load", "verify")
+
+
+def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadPool], threads: int) -> dict:
+    if mode not in COLD_START_MODES:
+        raise ValueError(f"cold_start: {mode!r} is not one of {', '.join(COLD_START_MODES)} "
+                         "(--cp-l3-cold-start)")
+    t0 = time.monotonic()
+    for p in pools.values():
+        p.reset()
+    if mode == "clear":
+        n = index.delete_rank(rank)
+        return {"mode": mode, "index_entries_wiped": n, "live": 0, "dropped": 0,
+                "seconds": round(time.monotonic() - t0, 3)}
+    entries = index.scan_rank(rank)
+    bounce = BounceBuffers()
+    verify = mode == "verify"
+
+    def check(item):
+        ikey, e = item
+        pool = pools.get(e.payload_tag)
+        if pool is None:
+            return item, "other_payload"
+        if not pool.entry_fits(e):
+            return item, "geometry"
+        try:
+            h = pool.read_header(e.slot, bounce)
+            check_identity(h, payload_tag=pool.tag, rank=rank, slot=e.slot, length=pool.page_bytes,
+                           digest=ikey[4:])
+            if verify:
+                pool.verify_payload(e.slot, h, bounce)
+        except BlobError as err:
+            return item, err.reason
+        except OSError:
+            return item, "io_error"
+        return item, None
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="l3-recover") as ex:
+        results = list(ex.map(check, entries))
+
+    live: dict[int, list[tuple[bytes, IndexEntry]]] = {t: [] for t in pools}
+    claimed: set[tuple[int, int]] = set()
+    doomed, reasons = [], {}
+    for (ikey, e), why in results:
+        if why == "other_payload":
+            continue  # a payload this run did not open: its slab is not ours to judge now
+        if why is None and (e.payload_tag, e.slot) in claimed:
+            why = "slot_claimed_twice"
+        if why is not None:
+            doomed.append((ikey, e))
+            reasons[why] = reasons.get(why, 0) + 1
+            continue
+        claimed.add((e.payload_tag, e.slot))
+        live[e.payload_tag].append((ikey, e))
+    # Drop dangling entries before anything can allocate the slots they name.
+    index.commit(deletes=doomed)
+    for tag, items in live.items():
+        pool = pools[tag]
+        pool.slots.rebuild_from_allocated(e.slot for _, e in items)
+        pool.lru.seed(items)
+        pool.owner = {e.slot: k for k, e in items}
+    return {"mode": mode, "scanned": len(entries), "live": sum(len(v) for v in live.values()),
+            "dropped": len(doomed), "drop_reasons": reasons, "seconds": round(time.monotonic() - t0, 3)}
