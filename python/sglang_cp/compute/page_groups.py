@@ -1,0 +1,95 @@
+"""Validate that token indices form whole, aligned, contiguous pages.
+
+Native transfer code (and the page-id derivations in front of it) reads only the
+first index of each ``page_size`` group and assumes the rest follow. A partial,
+misaligned or non-contiguous group therefore does not fail there: it silently
+moves a different page. Checking at the boundary turns that into a loud error
+that names the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageGroupError(ValueError):
+    """Token indices that are not whole, aligned, contiguous pages."""
+
+
+def validate_page_aligned_token_indices(
+    indices: torch.Tensor, page_size: int, *, name: str = "indices"
+) -> None:
+    """Raise PageGroupError unless ``indices`` is a concatenation of whole pages.
+
+    Whole page ``p`` means exactly ``[p*page_size, ..., p*page_size + page_size - 1]``
+    in order. Pages may appear in any order relative to each other. An empty
+    tensor is valid. Cost: one pass over the indices on their own device; callers
+    on a hot path decide whether a device tensor is worth the host sync.
+    """
+    if page_size <= 0:
+        raise PageGroupError(f"page_size must be positive, got {page_size}")
+    if indices.dim() != 1:
+        raise PageGroupError(
+            f"{name} must be a 1-D token index tensor, got shape {tuple(indices.shape)}"
+        )
+    n = indices.numel()
+    if n == 0:
+        return
+    if n % page_size:
+        raise PageGroupError(
+            f"{name} holds {n} token indices, not a multiple of page_size={page_size}: "
+            "a partial page would be transferred as a whole one. Pass whole pages "
+            "(round the length down to a page boundary at the caller)."
+        )
+    if page_size == 1:
+        return
+    groups = indices.reshape(-1, page_size).to(torch.int64)
+    starts = groups[:, 0]
+    misaligned = torch.nonzero(starts % page_size).flatten()
+    if misaligned.numel():
+        g = int(misaligned[0])
+        raise PageGroupError(
+            f"{name} page group {g} starts at token index {int(starts[g])}, which is "
+            f"not a multiple of page_size={page_size}: only the first index of a group "
+            "is used, so another page would be moved. Allocate and pass page-aligned slots."
+        )
+    expected = starts.unsqueeze(1) + torch.arange(
+        page_size, dtype=torch.int64, device=groups.device
+    )
+    broken = torch.nonzero((groups != expected).any(dim=1)).flatten()
+    if broken.numel():
+        g = int(broken[0])
+        raise PageGroupError(
+            f"{name} page group {g} ({groups[g].tolist()[:8]}...) is not "
+            f"{page_size} consecutive slots of one page: the tail would be read "
+            "from the wrong slots. Pass each page's slots contiguously and in order."
+        )
+
+
+ENV_MODE = "SGLANG_CP_VALIDATE_PAGE_GROUPS"
+_MODES = ("0", "host", "all")
+
+
+def validation_mode() -> str:
+    """``host`` (default): check tensors already on the CPU (free of device syncs);
+    ``all``: also check device tensors (one host sync per transfer, for bring-up);
+    ``0``: off. Read at every call so a process can flip it without re-registering."""
+    import os
+
+    raw = os.environ.get(ENV_MODE, "host").strip().lower()
+    mode = {"1": "host", "on": "host", "off": "0", "false": "0", "": "host"}.get(raw, raw)
+    if mode not in _MODES:
+        raise PageGroupError(
+            f"{ENV_MODE}={raw!r} is not one of {_MODES} (0=off, host=check CPU "
+            "tensors only, all=also device tensors)"
+        )
+    return mode
+
+
+def check(indices, page_size: int, *, name: str, mode: str) -> None:
+    """Validate ``indices`` if ``mode`` covers the device it lives on."""
+    if mode == "0" or indices is None:
+        return
+    if mode == "host" and indices.device.type != "cpu":
+        return
+    validate_page_aligned_token_indices(indices, page_size, name=name)
