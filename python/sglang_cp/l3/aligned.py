@@ -10,8 +10,11 @@ import numpy as np
 ALIGN = 4096
 
 
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, max(nbytes, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def aligned_buffer(nbytes: int, populate: bool = False) -> mmap.mmap:
+    """`populate` faults the pages in now: first touch of fresh memory is slow (VM balloon), and the
+    write path should not pay it per page."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (mmap.MAP_POPULATE if populate else 0)
+    return mmap.mmap(-1, max(nbytes, ALIGN), flags=flags)
 
 
 def address_of(buf) -> int | None:

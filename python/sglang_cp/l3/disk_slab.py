@@ -65,6 +65,24 @@ class DiskSlab:
         if n != self.extent:
             raise OSError(errno.EIO, f"short write {n}/{self.extent} B at slot {slot}")
 
+    def write_slots(self, first_slot: int, images: list[memoryview]) -> None:
+        """Write consecutive slots in one pwritev (slot_bytes == extent keeps them contiguous)."""
+        if len(images) == 1:
+            return self.write_slot(first_slot, images[0])
+        if self.slot_bytes != self.extent:
+            raise L3InvariantError(f"slab '{self.path}': coalesced write needs slot_bytes == extent")
+        off = self._offset(first_slot)
+        self._offset(first_slot + len(images) - 1)
+        for k, img in enumerate(images):
+            if img.nbytes != self.extent:
+                raise L3InvariantError(f"slab '{self.path}': image of {img.nbytes} B, slot extent is {self.extent} B")
+            if self.fault_injector:
+                self.fault_injector("write", self, first_slot + k)
+        want = self.extent * len(images)
+        n = os.pwritev(self.fd, images, off)
+        if n != want:
+            raise OSError(errno.EIO, f"short write {n}/{want} B at slots {first_slot}+{len(images)}")
+
     def read_slot(self, slot: int, iovecs: list[memoryview], offset_in_slot: int = 0) -> int:
         """preadv into aligned iovecs at `offset_in_slot`; returns bytes read (may be short: caller checks)."""
         off = self._offset(slot) + offset_in_slot

@@ -54,12 +54,12 @@ class PayloadPool:
 
     # -- slot I/O (I/O threads) ---------------------------------------------------------------------
 
-    def write_page(self, image: memoryview, slot: int, digest: bytes, seq: int) -> None:
-        """`image[:page_bytes]` already holds the payload; add the header and write the slot."""
+    def seal_image(self, image: memoryview, slot: int, digest: bytes, seq: int) -> memoryview:
+        """`image[:page_bytes]` already holds the payload; add CRC + header, return the slot image."""
         pcrc = crc32c(image[: self.page_bytes])
         hdr = pack_header(BlobHeader(self.tag, self.rank, slot, self.page_bytes, digest, seq, pcrc))
         image[self.page_bytes: self.page_bytes + HEADER_BYTES] = hdr
-        self.slab.write_slot(slot, image[: self.extent])
+        return image[: self.extent]
 
     def read_page(self, slot: int, digest: bytes, out: memoryview, bounce: BounceBuffers) -> BlobHeader:
         """Read + verify a slot into `out` (nbytes == page_bytes). Raises BlobError / OSError.

@@ -9,7 +9,6 @@ Design and crash guarantees: docs_internal/l3_store.md.
 from __future__ import annotations
 
 import collections
-import errno
 import itertools
 import logging
 import os
@@ -18,7 +17,6 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -30,14 +28,18 @@ from .config import L3Config
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .gc import WatermarkPolicy
-from .index import IndexEntry, IndexFull, IndexUnavailable, LmdbIndex, index_key
+from .index import IndexEntry, IndexUnavailable, LmdbIndex, index_key
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start
+from .writer import WriteThread, WriteTask
 
 logger = logging.getLogger(__name__)
 _PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 SLAB_SUBDIR = "sglang-cp-l3"
+# Staged pages are handed to the write thread in messages of about this size: big enough to keep
+# per-message overhead low, small enough that disk I/O starts while the caller is still copying.
+_MESSAGE_BYTES = 8 << 20
 
 COUNTERS = ("spill_pages", "spill_bytes", "write_dedup_pages", "write_already_durable", "write_errors",
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
@@ -46,42 +48,45 @@ COUNTERS = ("spill_pages", "spill_bytes", "write_dedup_pages", "write_already_du
             "deleted_pages", "pool_full")
 
 
-@dataclass
-class _WriteTask:
-    pool: PayloadPool
-    ikey: bytes
-    digest: bytes
-    staging: memoryview
-    buf: object
-    waiters: list = field(default_factory=list)  # [(OpState, index_in_op)]
-    slot: int = -1
-    seq: int = 0
-    error: Optional[str] = None
-
-
 class _Staging:
-    """Bounded staging memory: `max_inflight_pages` tokens shared by all payloads (backpressure)."""
+    """Bounded staging memory: `max_inflight_pages` tokens shared by all payloads (backpressure).
 
-    def __init__(self, limit: int):
+    Each payload gets an arena of `limit` slot images, allocated and faulted in at open so the write
+    path never pays first-touch page faults (slow on VMs with free-page reporting)."""
+
+    def __init__(self, limit: int, extents: set[int]):
         self._sem = threading.BoundedSemaphore(limit)
-        self._free: dict[int, list] = collections.defaultdict(list)
+        self._free: dict[int, list[memoryview]] = {}
+        self._arenas = []
+        for ext in extents:
+            arena = aligned_buffer(ext * limit, populate=True)
+            self._arenas.append(arena)
+            mv = memoryview(arena)
+            self._free[ext] = [mv[i * ext:(i + 1) * ext] for i in range(limit)]
         self._lock = threading.Lock()
         self.limit = limit
         self.in_use = 0
 
-    def acquire(self, extent: int):
-        self._sem.acquire()
+    def acquire(self, extent: int, blocking: bool = True) -> Optional[memoryview]:
+        if not self._sem.acquire(blocking):
+            return None
         with self._lock:
             self.in_use += 1
-            free = self._free[extent]
-            buf = free.pop() if free else None
-        return buf if buf is not None else aligned_buffer(extent)
+            return self._free[extent].pop()
 
-    def release(self, extent: int, buf) -> None:
+    def release(self, extent: int, buf: memoryview) -> None:
         with self._lock:
             self.in_use -= 1
             self._free[extent].append(buf)
         self._sem.release()
+
+    def close(self) -> None:
+        self._free.clear()
+        for a in self._arenas:
+            try:
+                a.close()
+            except BufferError:
+                pass  # a view is still referenced somewhere; the GC unmaps it later
 
 
 class L3Store:
@@ -147,13 +152,13 @@ class L3Store:
 
         self._gc = {p: WatermarkPolicy(config.gc.high_watermark, config.gc.low_watermark,
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
-        self._staging = _Staging(config.io.max_inflight_pages)
+        self._staging = _Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
         self._read_slots = threading.BoundedSemaphore(max(config.io.max_inflight_pages, config.io.threads))
         self._bounce = BounceBuffers()
         self._op_ids = itertools.count(1)
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
-        self._inflight: dict[bytes, _WriteTask] = {}
+        self._inflight: dict[bytes, WriteTask] = {}
         self._touches: collections.deque = collections.deque()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._reads_inflight = 0
@@ -181,6 +186,8 @@ class L3Store:
         except IndexUnavailable as e:
             self._fault("index_errors", "index", "L3 index read failed (%s); writing anyway", e)
             present = [None] * len(keys)
+        batch: list[WriteTask] = []
+        batch_bytes = 0
         for i, (key, view) in enumerate(zip(keys, views)):
             ikey = ikeys[i]
             with self._lock:
@@ -197,11 +204,16 @@ class L3Store:
                 self._emit(op, i, AckKind.GATHERED, True)
                 self._finish(op, i, AckKind.DURABLE, True)
                 continue
-            buf = self._staging.acquire(pool.extent)
-            staging = memoryview(buf)
-            np.copyto(np.frombuffer(staging, dtype=np.uint8, count=pool.page_bytes),
+            buf = self._staging.acquire(pool.extent, blocking=False)
+            if buf is None:
+                # Hand over what we staged before blocking: those pages hold the tokens we wait for.
+                if batch:
+                    self._q.put(("write", batch))
+                    batch, batch_bytes = [], 0
+                buf = self._staging.acquire(pool.extent)
+            np.copyto(np.frombuffer(buf, dtype=np.uint8, count=pool.page_bytes),
                       np.frombuffer(view, dtype=np.uint8))
-            task = _WriteTask(pool, ikey, digests[i], staging, buf, [(op, i)])
+            task = WriteTask(pool, ikey, digests[i], buf, [(op, i)])
             with self._lock:
                 other = self._inflight.get(ikey)
                 if other is not None:  # raced with another submitter of the same key
@@ -209,12 +221,17 @@ class L3Store:
                     self._counters["write_dedup_pages"] += 1
                 else:
                     self._inflight[ikey] = task
+            self._emit(op, i, AckKind.GATHERED, True)
             if other is not None:
                 self._staging.release(pool.extent, buf)
-                self._emit(op, i, AckKind.GATHERED, True)
                 continue
-            self._emit(op, i, AckKind.GATHERED, True)
-            self._q.put(("write", task))
+            batch.append(task)
+            batch_bytes += pool.page_bytes
+            if batch_bytes >= _MESSAGE_BYTES:
+                self._q.put(("write", batch))
+                batch, batch_bytes = [], 0
+        if batch:
+            self._q.put(("write", batch))
         return op
 
     def submit_read(self, payload: str, keys: list[bytes], outs: list) -> int:
@@ -298,6 +315,7 @@ class L3Store:
         for pool in self._pools.values():
             pool.slab.close()
         self._index.close()
+        self._staging.close()
 
     def __enter__(self):
         return self
@@ -464,7 +482,7 @@ class L3Store:
 
     def _write_loop(self) -> None:
         try:
-            _WriteThread(self).run()
+            WriteThread(self).run()
         except BaseException as err:
             self._set_fatal(err)
             # Unblock everyone waiting on this thread: their pages fail, the next call raises.
@@ -481,246 +499,6 @@ class L3Store:
                     break
                 if msg[0] in ("delete", "clear", "stop"):
                     msg[1].set()
-
-
-class _WriteThread:
-    """State of the write thread; the only code that mutates pools, LRU, GC and index entries."""
-
-    def __init__(self, store: L3Store):
-        self.s = store
-        self.new: collections.deque[_WriteTask] = collections.deque()
-        self.completed: list[_WriteTask] = []
-        self.io_pending = 0
-        self.barriers: collections.deque = collections.deque()
-        self.dirty_touch: dict[bytes, tuple[PayloadPool, IndexEntry]] = {}
-        threads = store.config.io.threads
-        self.commit_batch = max(threads * 2, store.config.io.max_inflight_pages // 2)
-
-    def run(self) -> None:
-        s = self.s
-        while True:
-            # Everything doable without a new message was done last iteration, so block; the timeout
-            # only serves idle persistence of touches.
-            try:
-                msg = s._q.get(timeout=1.0)
-            except queue.Empty:
-                msg = None
-            msgs = [msg] if msg is not None else []
-            while len(msgs) < 4096:
-                try:
-                    msgs.append(s._q.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None
-            for m in msgs:
-                kind = m[0]
-                if kind == "write":
-                    self.new.append(m[1])
-                elif kind == "io_done":
-                    self.io_pending -= 1
-                    self.completed.append(m[1])
-                elif kind == "drop":
-                    self._drop(*m[1:])
-                elif kind == "delete":
-                    self._delete(*m[1:])
-                elif kind in ("clear", "stop"):
-                    self.barriers.append(m)
-                else:
-                    raise L3InvariantError(f"write thread: unknown message {kind!r}")
-            self._apply_touches()
-            self._gc()
-            if not self.barriers:
-                self._dispatch()
-            if self.completed and (self.io_pending == 0 or len(self.completed) >= self.commit_batch):
-                self._commit()
-            if msg is None and self.dirty_touch and not self.io_pending:
-                self._commit()  # idle: persist last_access so a restart keeps the LRU order
-            while self.barriers and not self.io_pending and not self.completed:
-                m = self.barriers.popleft()
-                if m[0] == "stop":
-                    self._flush_new_as_failed()
-                    if self.dirty_touch:
-                        self._commit()
-                    m[1].set()
-                    return
-                self._clear(m[1], m[2])
-
-    # -- writes ---------------------------------------------------------------------------------------
-
-    def _dispatch(self) -> None:
-        s = self.s
-        need: dict[str, int] = collections.Counter(t.pool.name for t in self.new)
-        for name, n in need.items():
-            pool = s._pools[name]
-            short = n - pool.slots.free
-            if short > 0:
-                self._reclaim(pool, min(short, len(pool.lru)), forced=True)
-        retry = collections.deque()
-        while self.new:
-            t = self.new.popleft()
-            slot = t.pool.slots.alloc()
-            if slot is None:
-                if self.io_pending or self.completed:
-                    retry.append(t)  # slots come back when in-flight writes commit or fail
-                else:
-                    s._fault("pool_full", "pool_full", "L3 %s pool full with nothing reclaimable", t.pool.name)
-                    t.error = "pool_full"
-                    self._complete(t, False)
-                continue
-            t.slot, t.seq = slot, s._now()
-            self.io_pending += 1
-            s._wio.submit(self._io_write, t)
-        self.new = retry
-
-    def _io_write(self, t: _WriteTask) -> None:
-        try:
-            t.pool.write_page(t.staging, t.slot, t.digest, t.seq)
-        except OSError as err:
-            t.error = f"errno {err.errno}"
-            code = errno.errorcode.get(err.errno, str(err.errno))
-            self.s._fault("write_errors", f"write-{code}", "L3 write of %s slot %d failed: %s",
-                          t.pool.name, t.slot, err)
-        except BaseException as err:
-            t.error = repr(err)
-            self.s._set_fatal(err)
-        self.s._q.put(("io_done", t))
-
-    def _commit(self) -> None:
-        s = self.s
-        done, self.completed = self.completed, []
-        good = [t for t in done if t.error is None]
-        for slab in {t.pool.slab for t in good}:
-            try:
-                slab.sync()
-            except OSError as err:
-                s._fault("write_errors", "sync", "L3 fdatasync of %s failed: %s", slab.path, err)
-                for t in good:
-                    if t.pool.slab is slab:
-                        t.error = "fdatasync"
-        good = [t for t in good if t.error is None]
-        entries = [(t.ikey, IndexEntry(s.rank, t.pool.slab.disk_index, t.slot, t.pool.tag, t.pool.page_bytes,
-                                       t.seq, t.seq)) for t in good]
-        touches = [(k, e) for k, (_, e) in self.dirty_touch.items()]
-        try:
-            s._index.commit(puts=entries, touches=touches)
-            self.dirty_touch.clear()
-        except IndexFull as err:
-            s._fault("mapfull", "mapfull", "L3 index full (%s); %d page(s) not stored", err, len(good))
-            for t in good:
-                t.error = "mapfull"
-        except IndexUnavailable as err:
-            s._fault("index_errors", "index-w", "L3 index commit failed (%s); %d page(s) not stored", err, len(good))
-            for t in good:
-                t.error = "index"
-        for t in done:
-            if t.error is None:
-                pool = t.pool
-                old = pool.lru.get(t.ikey)
-                if old is not None:  # a rewrite replaced the index entry; the old slot is unreferenced now
-                    pool.release(t.ikey, old)
-                pool.occupy(t.ikey, IndexEntry(s.rank, pool.slab.disk_index, t.slot, pool.tag, pool.page_bytes,
-                                               t.seq, t.seq))
-                with s._lock:
-                    s._counters["spill_pages"] += 1
-                    s._counters["spill_bytes"] += pool.page_bytes
-            else:
-                t.pool.slots.free_slot(t.slot)  # never indexed, so nothing references it
-            self._complete(t, t.error is None)
-
-    def _complete(self, t: _WriteTask, ok: bool) -> None:
-        s = self.s
-        with s._lock:
-            if s._inflight.get(t.ikey) is t:
-                del s._inflight[t.ikey]
-            waiters = list(t.waiters)
-        s._staging.release(t.pool.extent, t.buf)
-        for op, i in waiters:
-            s._finish(op, i, AckKind.DURABLE, ok)
-
-    def _flush_new_as_failed(self) -> None:
-        while self.new:
-            t = self.new.popleft()
-            self._complete(t, False)
-
-    # -- GC, touches, deletes -------------------------------------------------------------------------
-
-    def _apply_touches(self) -> None:
-        s = self.s
-        n = 0
-        while s._touches:
-            pool, ikey, stamp = s._touches.popleft()
-            e = pool.lru.touch(ikey, stamp)
-            if e is not None:
-                self.dirty_touch[ikey] = (pool, e)
-                n += 1
-        if n:
-            s._count("touches", n)
-
-    def _gc(self) -> None:
-        for name, pool in self.s._pools.items():
-            n = self.s._gc[name].to_reclaim(pool.slots.used, pool.slots.num_slots)
-            if n:
-                self._reclaim(pool, min(n, len(pool.lru)), forced=False)
-
-    def _reclaim(self, pool: PayloadPool, n: int, forced: bool) -> None:
-        if n <= 0:
-            return
-        victims = pool.lru.coldest(n)
-        if self._delete_then_free(pool, victims):
-            self.s._count("gc_reclaimed", len(victims))
-            if forced:
-                self.s._count("gc_forced", len(victims))
-
-    def _delete_then_free(self, pool: PayloadPool, victims: list[tuple[bytes, IndexEntry]]) -> bool:
-        s = self.s
-        if not victims:
-            return True
-        try:
-            flags = s._index.commit(deletes=victims)
-        except (IndexFull, IndexUnavailable) as err:
-            s._fault("index_errors", "index-d", "L3 index delete failed (%s); slots kept", err)
-            return False
-        for (ikey, e), deleted in zip(victims, flags):
-            if not deleted:
-                # The index no longer maps this key to our slot (only we write our keys): still ours
-                # to free, since nothing in the index references the slot.
-                pass
-            pool.release(ikey, e)
-            self.dirty_touch.pop(ikey, None)
-        return True
-
-    def _drop(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, reason: str) -> None:
-        s = self.s
-        cur = pool.lru.get(ikey)
-        if cur is not None and (cur.slot, cur.seq) == (e.slot, e.seq):
-            if self._delete_then_free(pool, [(ikey, cur)]):
-                s._count("bad_pages_dropped")
-            return
-        # Not (or no longer) ours in memory: drop only the exact stale index entry, free nothing.
-        try:
-            if any(s._index.commit(deletes=[(ikey, e)])):
-                s._count("bad_pages_dropped")
-        except (IndexFull, IndexUnavailable) as err:
-            s._fault("index_errors", "index-d", "L3 index delete failed (%s)", err)
-
-    def _delete(self, done: threading.Event, box: dict, pool: PayloadPool, ikeys: list[bytes]) -> None:
-        try:
-            victims = [(k, pool.lru.get(k)) for k in ikeys if pool.lru.get(k) is not None]
-            ok = self._delete_then_free(pool, victims)
-            box["result"] = len(victims) if ok else 0
-            if ok:
-                self.s._count("deleted_pages", len(victims))
-        finally:
-            done.set()
-
-    def _clear(self, done: threading.Event, box: dict) -> None:
-        s = self.s
-        try:
-            box["result"] = cold_start_fn("clear", s._index, s.rank, s._by_tag, 1)
-            self.dirty_touch.clear()
-            s._cold_start = dict(box["result"], mode="clear (runtime)")
-        finally:
-            done.set()
 
 
 cold_start_fn = cold_start
