@@ -58,8 +58,12 @@ def _cmd_check_args(ns) -> int:
     table.add_column("value")
     for name in FLAG_NAMES:
         table.add_row("--" + name.replace("_", "-"), repr(getattr(server_args, name)))
-    for name in ("enable_hierarchical_cache", "hicache_storage_backend"):
-        table.add_row("--" + name.replace("_", "-") + " (upstream)", repr(getattr(server_args, name)))
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    cfg = resolved_view(server_args)  # what the scheduler processes will see
+    for name in ("enable_hierarchical_cache", "hicache_storage_backend",
+                 "hicache_storage_backend_extra_config"):
+        table.add_row("--" + name.replace("_", "-") + " (upstream, resolved)", repr(getattr(cfg, name)))
     console.print(table)
     console.print("[green]accepted[/]")
     return 0

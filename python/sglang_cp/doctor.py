@@ -151,17 +151,16 @@ def check_l3_config(path: str) -> Iterable[Row]:
         st = os.statvfs(disk.path)
         free = st.f_bavail * st.f_frsize
         have = free + _existing_slab_bytes(disk.path)
-        need = int(disk.capacity_gb * GiB)
+        need = int(disk.capacity_bytes)
         status = OK if have >= need else FAIL
         fix = "" if status == OK else "; lower capacity_gb or free space"
         yield Row(
             "l3 disk",
             f"{disk.name}: space",
             status,
-            f"capacity_gb {disk.capacity_gb:g} needs {need / GiB:.1f} GiB; "
-            f"{free / GiB:.1f} GiB free{fix}",
+            f"capacity {need / 1e9:g} GB; {free / 1e9:.1f} GB free{fix}",
         )
-        yield from _plp_rows(disk.name, disk.path)
+        yield from _plp_rows(disk.name, disk.path, cfg.plp_policy)
 
 
 def _existing_slab_bytes(directory: str) -> int:
@@ -176,20 +175,18 @@ def _existing_slab_bytes(directory: str) -> int:
     return total
 
 
-def _plp_rows(name: str, path: str) -> Iterable[Row]:
-    try:
-        from sglang_cp.l3.config import probe_volatile_write_cache
+def _plp_rows(name: str, path: str, policy: str) -> Iterable[Row]:
+    from sglang_cp.l3.plp import probe_write_cache
 
-        volatile, detail = probe_volatile_write_cache(path)
-    except ImportError:
-        return
-    except Exception as e:
-        yield Row("l3 disk", f"{name}: write cache", WARN, f"probe failed: {e}")
-        return
-    if volatile is None:
-        yield Row("l3 disk", f"{name}: write cache", INFO, detail)
+    probe = probe_write_cache(path)
+    item = f"{name}: write cache"
+    if probe.write_cache is None:
+        yield Row("l3 disk", item, INFO, "unknown (not a block device); PLP not verifiable")
+    elif probe.volatile:
+        # The loader already refused the config when plp_policy = "require".
+        yield Row("l3 disk", item, WARN, f"{probe.device}: volatile ('write back'); plp_policy = {policy!r}")
     else:
-        yield Row("l3 disk", f"{name}: write cache", WARN if volatile else OK, detail)
+        yield Row("l3 disk", item, OK, f"{probe.device}: {probe.write_cache}")
 
 
 def hugetlbfs_mounts() -> list[str]:

@@ -5,7 +5,9 @@
 attributes set by hand) never pass ``from_cli_args``. We re-run our validation inside
 the pipeline at a HiCache step that runs before the dummy-model short circuit, so every
 launch path checks our flags before any model loads. Validation is pure, so running it
-twice (CLI, then here) is harmless.
+twice (CLI, then here) is harmless. With ``--enable-cp-l3`` valid, this is also where our
+store is declared the storage backend (``l3_backend_select.select_backend``), early
+enough that every later HiCache step sees it.
 
 Seed item served: startup validation of the CP HiCache / L3 flag combinations
 ("validate supported CP HiCache backend/layout combinations at server startup").
@@ -20,6 +22,11 @@ from sglang_cp.integration.hookspec import HookSpec
 def validate_then_previous(server_args, previous):
     if cp_args.any_enabled(server_args) or getattr(server_args, "cp_l3_config", None):
         cp_args.validate(server_args)
+        # Valid --enable-cp-l3: make our store the HiCache storage backend for every
+        # later step (upstream's handle_hicache, the KV-sharding check, the controller).
+        from sglang_cp.integration.l3_backend_select import select_backend
+
+        select_backend(server_args)
     return previous(server_args)
 
 

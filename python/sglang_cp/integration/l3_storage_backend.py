@@ -1,0 +1,333 @@
+"""Upstream symbol: ``sglang.srt.mem_cache.hicache_storage.HiCacheStorage`` (subclassed).
+
+Our L3 store behind upstream's HiCache storage interface, loaded by upstream's own
+``StorageBackendFactory`` (``--hicache-storage-backend dynamic`` with
+``interface_v1: 1``; ``l3_backend_select`` spells that for the user). Upstream's
+controller keeps driving backup, prefetch and the rank agreement; this class only moves
+pages between the host pools and the store.
+
+What it adds over upstream's ``file`` backend: every page is a CRC'd, self-describing
+O_DIRECT slot made durable (data -> fdatasync -> index) before it counts, a bad page is
+one miss (never wrong bytes, never a failed batch), and under
+``--enable-kv-cache-sharding`` each rank persists and reloads only the physical pages of
+its own stripe (``PageInterleaveHostPool``: logical host page ``h`` belongs to rank
+``h % N`` at local row ``h // N``), zero-copy from/to the host pool where the layout
+keeps a page contiguous (``page_first``), through one bounce copy otherwise.
+
+Sidecar pools (DSA indexer-K, draft/MTP KV) ride the v2 ``PoolTransfer`` API and are
+stored as their own payloads under the same page keys, so a logical page is a hit only
+when every payload of it is durable on its owner (``batch_exists_v2`` folds them).
+
+Seed items: "CP HiCache owner pages", "draft/MTP KV in lockstep with target KV",
+"validate_page_aligned_token_indices before native transfer code", "L3 store wired as
+the HiCache storage tier".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, List, Optional
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
+
+from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme
+from sglang_cp.integration.page_groups import validate_page_aligned
+
+logger = logging.getLogger(__name__)
+
+UPSTREAM_SYMBOLS = (
+    "sglang.srt.mem_cache.hicache_storage.HiCacheStorage",
+    "sglang.srt.mem_cache.pool_host.page_interleave.PageInterleaveHostPool",
+    "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_dynamic_backend",
+)
+KV_PAYLOAD = PoolName.KV.value
+
+# Per storage-thread scratch: the phase vector of the last hit query (read by the
+# agreement hook on the same thread) -- see l3_prefetch_agreement.
+_tls = threading.local()
+
+
+def last_phase_vector() -> Optional[list[int]]:
+    return getattr(_tls, "phase_vector", None)
+
+
+def clear_phase_vector() -> None:
+    _tls.phase_vector = None
+
+
+class CpL3Storage(HiCacheStorage):
+    """HiCacheStorage over :class:`sglang_cp.l3.L3Store` (one store per rank process)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self.l3_config_path = extra.get("cp_l3_config")
+        self.cold_start = extra.get("cp_l3_cold_start", "clear")
+        self.cp_strategy = extra.get("cp_strategy") or "none"
+        if not self.l3_config_path:
+            raise ValueError(
+                "sglang-cp L3 backend: extra_config lacks 'cp_l3_config'; start the server with "
+                "--enable-cp-l3 --cp-l3-config PATH instead of spelling the dynamic backend by hand"
+            )
+        self.store = None
+        self.mem_pool_host = None
+        self.registered_pools: dict[Any, Any] = {}
+        self.keys: Optional[KeyScheme] = None
+        self.placement = None
+        self.shard_rank = 0
+        self.shard_size = 1
+
+    # ------------------------------------------------------------------ setup
+    def register_mem_pool_host(self, mem_pool_host):
+        super().register_mem_pool_host(mem_pool_host)
+        if isinstance(mem_pool_host, PageInterleaveHostPool):
+            self.placement = mem_pool_host.placement
+            self.shard_rank = mem_pool_host.shard_rank
+            self.shard_size = mem_pool_host.shard_size
+        # The plain HiCacheController fires on_host_pools_registered itself; the hybrid one
+        # registers sidecars first. Either way the store opens once all payloads are known.
+
+    def on_host_pools_registered(self) -> None:
+        if self.store is not None:
+            return
+        from sglang_cp.args import load_config
+        from sglang_cp.l3 import L3Store
+
+        payloads = {KV_PAYLOAD: self._page_bytes(self._native(self.mem_pool_host))}
+        for name, pool in self.registered_pools.items():
+            pname = _pool_key(name)
+            if pname != KV_PAYLOAD:
+                payloads[pname] = self._page_bytes(pool)
+        cfg = load_config(self.l3_config_path)
+        sc = self.storage_config
+        rank = sc.tp_rank + sc.tp_size * sc.pp_rank
+        ranks_per_node = max(1, sc.tp_size * sc.pp_size)
+        self.store = L3Store(cfg, rank=rank, ranks_per_node=ranks_per_node, payloads=payloads,
+                             cold_start=self.cold_start)
+        native = self._native(self.mem_pool_host)
+        self.keys = KeyScheme(KeyIdentity(
+            model=str(sc.model_name or ""),
+            dtype=str(native.dtype),
+            page_size=int(native.page_size),
+            layout=str(native.layout),
+            rank_replicated=bool(sc.is_mla_model),
+            tp_rank=0 if sc.is_mla_model else sc.tp_rank,
+            tp_size=1 if sc.is_mla_model else sc.tp_size,
+            pp_rank=sc.pp_rank,
+            pp_size=sc.pp_size,
+            cp_size=max(self.shard_size, sc.attn_cp_size),
+            cp_strategy=self.cp_strategy,
+            sharded=self.placement is not None,
+            page_bytes=tuple(sorted(payloads.items())),
+        ))
+        self.payloads = payloads
+        logger.info("sglang-cp L3 backend ready: rank %d/%d, shard %d/%d, payloads %s",
+                    rank, ranks_per_node, self.shard_rank, self.shard_size, payloads)
+
+    @staticmethod
+    def _native(pool):
+        return pool.host_pool if isinstance(pool, PageInterleaveHostPool) else pool
+
+    @staticmethod
+    def _page_bytes(pool) -> int:
+        page = pool.get_data_page(0, flat=True)
+        return page.numel() * page.element_size()
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement is not None
+
+    def _owner_key_rank(self) -> int:
+        """The rank coordinate in our keys: the stripe owner under sharding, else this rank's replica."""
+        if self.sharded:
+            return self.shard_rank
+        sc = self.storage_config
+        return sc.attn_cp_rank if sc.attn_cp_size > 1 else 0
+
+    # ------------------------------------------------------------------ page addressing
+    def _pages(self, host_indices: torch.Tensor, n_pages: int):
+        """(page i, local row start) for the pages of this rank in a logical index run."""
+        ps = self._native(self.mem_pool_host).page_size
+        starts = validate_page_aligned(host_indices, ps, n_pages)
+        if not self.sharded:
+            return [(i, s) for i, s in enumerate(starts)]
+        t = torch.tensor(starts, dtype=torch.int64)
+        owners = self.placement.owner_of(t).tolist()
+        local = self.placement.local_index(t).tolist()
+        return [(i, local[i]) for i in range(n_pages) if owners[i] == self.shard_rank]
+
+    def _pool_for(self, name) -> Any:
+        if _pool_key(name) == KV_PAYLOAD:
+            return self._native(self.mem_pool_host)
+        for key, pool in self.registered_pools.items():
+            if _pool_key(key) == _pool_key(name):
+                return self._native(pool)
+        raise KeyError(f"sglang-cp L3: no host pool registered for payload {name!r}")
+
+    # ------------------------------------------------------------------ v1 (zero-copy) API
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        return self._set(KV_PAYLOAD, keys, host_indices)
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        return self._get(KV_PAYLOAD, keys, host_indices)
+
+    def _set(self, payload: str, keys: List[str], host_indices) -> List[bool]:
+        results = [True] * len(keys)  # pages of other ranks' stripes are theirs to report
+        mine = self._pages(host_indices, len(keys))
+        if not mine:
+            return results
+        pool = self._pool_for(payload)
+        pages = [_as_bytes_view(pool.get_data_page(row, flat=True)) for _i, row in mine]
+        store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
+        ok = self.store.write_pages(payload, store_keys, pages)
+        for (i, _row), good in zip(mine, ok):
+            results[i] = bool(good)
+        return results
+
+    def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
+        results = [True] * len(keys)
+        mine = self._pages(host_indices, len(keys))
+        if not mine:
+            return results
+        pool = self._pool_for(payload)
+        outs, copies = [], []
+        for _i, row in mine:
+            view = pool.get_data_page(row, flat=False)
+            if view.is_contiguous():
+                outs.append(_as_bytes_view(view))  # zero-copy: the store fills the host pool
+                copies.append(None)
+            else:
+                bounce = torch.empty(view.numel(), dtype=view.dtype)
+                outs.append(_as_bytes_view(bounce))
+                copies.append(bounce)
+        store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
+        ok = self.store.read_pages(payload, store_keys, outs)
+        first_miss = next((j for j, good in enumerate(ok) if not good), len(ok))
+        for j, ((i, row), good) in enumerate(zip(mine, ok)):
+            results[i] = bool(good) and j < first_miss
+            if results[i] and copies[j] is not None:
+                pool.set_from_flat_data_page(row, copies[j])
+        if first_miss < len(ok):
+            self.store.touch(payload, store_keys[:first_miss])
+        else:
+            self.store.touch(payload, store_keys)
+        # Prefix semantics: nothing after this rank's first miss counts.
+        if first_miss < len(mine):
+            cut = mine[first_miss][0]
+            for i in range(cut, len(results)):
+                results[i] = False
+        return results
+
+    # ------------------------------------------------------------------ existence
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        return self._exists_prefix([KV_PAYLOAD], keys)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        payloads = [KV_PAYLOAD]
+        for t in pool_transfers or []:
+            if t.hit_policy != PoolHitPolicy.ALL_PAGES:
+                raise NotImplementedError(
+                    f"sglang-cp L3 stores only ALL_PAGES sidecars (DSA indexer, draft KV); pool "
+                    f"{t.name} asks for {t.hit_policy}")
+            payloads.append(_pool_key(t.name))
+        hit = self._exists_prefix(payloads, keys)
+        return PoolTransferResult(kv_hit_pages=hit,
+                                  extra_pool_hit_pages={_pool_key(t.name): hit for t in pool_transfers or []})
+
+    def _exists_prefix(self, payloads: list[str], page_hashes: List[str]) -> int:
+        if not page_hashes:
+            clear_phase_vector()
+            return 0
+        if not self.sharded:
+            clear_phase_vector()
+            return self.store.exists_prefix_multi(payloads, self.keys.keys(page_hashes, self._owner_key_rank()))
+        # Under sharding which rank holds page i depends on the chain's rotation phase b
+        # (owner of page i = (b + i) % N), which only the allocator that wrote it knew. Each
+        # rank reports, for every candidate phase, how long a prefix its own stripe covers;
+        # the agreement hook reduces that vector with upstream's MIN and picks the phase.
+        my_keys = self.keys.keys(page_hashes, self.shard_rank)
+        durable = [self.store.exists_prefix_multi(payloads, [k]) == 1 for k in my_keys]
+        n, N, r = len(page_hashes), self.shard_size, self.shard_rank
+        vector = []
+        for b in range(N):
+            first = (r - b) % N  # first page index this rank owns under phase b
+            length = n
+            for i in range(first, n, N):
+                if not durable[i]:
+                    length = i
+                    break
+            vector.append(length)
+        _tls.phase_vector = vector
+        return max(vector)
+
+    # ------------------------------------------------------------------ v2 (sidecars)
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        return {_pool_key(t.name): self._set(_pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        return {_pool_key(t.name): self._get(_pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
+
+    # ------------------------------------------------------------------ legacy (non-v1) API
+    def exists(self, key: str) -> bool:
+        return self._exists_prefix([KV_PAYLOAD], [key]) == 1
+
+    def get(self, key, target_location=None, target_sizes=None):
+        out = target_location if target_location is not None else torch.empty(
+            self.payloads[KV_PAYLOAD], dtype=torch.uint8)
+        ok = self.store.read_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()), [_as_bytes_view(out)])
+        return out if ok[0] else None
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        outs = target_locations or [None] * len(keys)
+        return [self.get(k, o) for k, o in zip(keys, outs)]
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.store.write_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()),
+                                      [_as_bytes_view(value)])[0]
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        return all(self.store.write_pages(KV_PAYLOAD, self.keys.keys(keys, self._owner_key_rank()),
+                                          [_as_bytes_view(v) for v in values]))
+
+    def clear(self) -> None:
+        if self.store is not None:
+            self.store.clear()
+
+    def get_stats(self):
+        return None  # our metrics go through sglang_cp.metrics, labelled by cp/tp rank
+
+    def l3_stats(self) -> Optional[dict]:
+        return self.store.stats() if self.store is not None else None
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def _pool_key(name) -> str:
+    return name.value if isinstance(name, PoolName) else str(name)
+
+
+def _as_bytes_view(t: torch.Tensor):
+    """A writable uint8 numpy view of a contiguous CPU tensor (no copy)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(-1).view(torch.uint8).numpy()

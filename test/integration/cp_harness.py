@@ -1,0 +1,246 @@
+"""Multi-process CP harness: real gloo ranks, each with a real upstream HiCache controller.
+
+Every rank process:
+- joins a gloo world (all ranks = one attention-CP group, as a CP prefill server),
+- publishes real ``ServerArgs`` parsed through SGLang's parser with our plugin loaded
+  (``--enable-cp-l3`` selects our backend exactly as on a server),
+- builds upstream's device pool (``MLATokenToKVPool`` on CPU), upstream's host pool
+  (``MLATokenToKVPoolHost``, GLM-5 MLA row shape), optionally striped by upstream's
+  ``PageInterleaveHostPool`` (``--enable-kv-cache-sharding``), and upstream's
+  ``HybridCacheController`` with the storage backend attached through upstream's
+  ``StorageBackendFactory``,
+- then drives the controller's own storage paths: ``write_storage`` -> backup thread,
+  ``prefetch`` -> prefetch thread (hit query + the gloo MIN) -> ``allocate_storage_hit``
+  -> transfer thread -> completion MINs.
+
+Why not ``build_kv_only_stack``: it builds the host pool with ``pin_memory=True``, which
+calls ``cudaHostRegister`` and cannot run without a GPU. We construct the same objects
+with ``pin_memory=False`` (docs_internal/cp_l3_integration.md). The scheduler-thread
+steps of ``UnifiedRadixCache`` (draining the hit queue, allocating the bounce, queueing
+the transfer) are replayed here with the controller's own methods, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+import types
+
+GLM5_KV_LORA, GLM5_ROPE = 512, 64
+PAGE = 64
+
+
+def page_bytes_pattern(page_i: int, nbytes: int, salt: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * (page_i + 1) + salt)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+class Rank:
+    def __init__(self, rank, world, port, l3_config, *, sharded, layers=4, host_pages=64,
+                 cold_start="clear", extra_args=(), layout="page_first"):
+        import torch
+        import torch.distributed as dist
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        self.rank, self.world, self.sharded = rank, world, sharded
+        self.torch, self.dist = torch, dist
+
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        from sglang.srt.server_args import prepare_server_args
+
+        argv = ["--model-path", "dummy", "--device", "cpu", "--page-size", str(PAGE),
+                "--enable-hierarchical-cache", "--hicache-mem-layout", layout,
+                "--enable-cp-l3", "--cp-l3-config", l3_config, "--cp-l3-cold-start", cold_start,
+                *extra_args]
+        sa = prepare_server_args(argv)
+        sa.resolve_once()
+        from sglang.srt.arg_groups.overrides import resolved_view
+        from sglang.srt.runtime_context import get_parallel, publish
+
+        publish(sa, role="scheduler")
+        # The parallel context a CP prefill scheduler has: TP = attention-CP = world.
+        get_parallel().override_permanently(
+            tp_size=world, attn_cp_size=world, attn_tp_size=1, moe_tp_size=world,
+            tp_rank=rank, attn_cp_rank=rank, attn_tp_rank=0, pp_rank=0,
+            attn_dp_rank=0, attn_dcp_rank=0, moe_ep_rank=0, moe_tp_rank=rank, moe_dp_rank=0)
+        cfg = resolved_view(sa)
+        import json
+
+        extra = json.loads(cfg.hicache_storage_backend_extra_config)
+        self.backend_name = cfg.hicache_storage_backend
+
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        dev_tokens = host_pages * PAGE
+        kv = MLATokenToKVPool(size=dev_tokens, page_size=PAGE, dtype=torch.bfloat16,
+                              kv_lora_rank=GLM5_KV_LORA, qk_rope_head_dim=GLM5_ROPE, layer_num=layers,
+                              device="cpu", enable_memory_saver=False)
+        alloc = PagedTokenToKVPoolAllocator(size=dev_tokens, page_size=PAGE, dtype=torch.int64,
+                                            device="cpu", kvcache=kv, need_sort=False)
+        host = MLATokenToKVPoolHost(
+            kv.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, layout, pin_memory=False,
+            device="cpu", override_kv_cache_dim=kv.kv_cache_dim, device_capacity_tokens=dev_tokens,
+            start_layer=kv.start_layer, end_layer=kv.end_layer, target_layer_num=layers,
+            host_token_capacity=host_pages * PAGE)
+        self.native_host = host
+        if sharded:
+            from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
+            from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
+
+            spec = PageShardSpec(shard_rank=rank, shard_size=world, page_size=PAGE,
+                                 max_prefix_tokens=world * PAGE, chunk_tokens=PAGE)
+            self.placement = PageInterleavePlacement(spec)
+            host = PageInterleaveHostPool(host, self.placement)
+        self.group = HostPoolGroup([build_pool_entry(
+            name=__import__("sglang.srt.mem_cache.hicache_storage", fromlist=["PoolName"]).PoolName.KV,
+            host_pool=host, device_pool=kv, layer_mapping={i: i for i in range(layers)},
+            transfer_layer_id_max=layers, is_anchor=True)])
+        world_group = dist.group.WORLD
+        self.cc = HybridCacheController(
+            alloc, self.group, PAGE, world_group, load_cache_event=threading.Event(),
+            attn_cp_group=world_group, write_policy="write_through", io_backend="direct",
+            storage_backend=self.backend_name, storage_backend_extra_config=extra,
+            transfer_layer_id_max=layers)
+        self.backend = self.cc.storage_backend
+        self.page_nbytes = host.get_data_page(0, flat=True).numel() * 2
+
+    # ---------------------------------------------------------------- helpers
+    def owner_of_page_start(self, start):
+        if not self.sharded:
+            return self.rank
+        t = self.torch.tensor([start])
+        return int(self.placement.owner_of(t)[0])
+
+    def local_row(self, start):
+        if not self.sharded:
+            return start
+        return int(self.placement.local_index(self.torch.tensor([start]))[0])
+
+    def alloc_host(self, n_tokens, start_owner=None):
+        if self.sharded:
+            return self.group.alloc(n_tokens, start_owner=start_owner)
+        return self.group.alloc(n_tokens)
+
+    def fill(self, host_indices, n_pages, salt=0):
+        """Write each logical page's pattern into this rank's rows (its stripe under sharding)."""
+        for i in range(n_pages):
+            start = int(host_indices[i * PAGE])
+            if self.owner_of_page_start(start) != self.rank:
+                continue
+            view = self.native_host.get_data_page(self.local_row(start), flat=True)
+            view.view(self.torch.uint8).copy_(page_bytes_pattern(i, self.page_nbytes, salt))
+
+    def check(self, host_indices, n_pages, salt=0):
+        """(pages checked on this rank, pages equal) for this rank's stripe."""
+        checked = equal = 0
+        for i in range(n_pages):
+            start = int(host_indices[i * PAGE])
+            if self.owner_of_page_start(start) != self.rank:
+                continue
+            checked += 1
+            view = self.native_host.get_data_page(self.local_row(start), flat=True)
+            if self.torch.equal(view.view(self.torch.uint8), page_bytes_pattern(i, self.page_nbytes, salt)):
+                equal += 1
+        return checked, equal
+
+    def zero_host(self):
+        self.native_host.kv_buffer.zero_()
+
+    def backup(self, tokens, host_indices, timeout=60):
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        op_id = self.cc.write_storage(host_indices, tokens, hash_value=hashes)
+        op = self.cc.ack_backup_queue.get(timeout=timeout)
+        assert op.id == op_id
+        return op.completed_tokens
+
+    def prefetch(self, tokens, rid="r0", timeout=60):
+        """Upstream's prefetch end to end; returns (agreed hit tokens, completed tokens, host indices)."""
+        handle = types.SimpleNamespace(rid=rid)
+        op = self.cc.prefetch(handle, tokens, None)
+        got = self.cc.prefetch_hit_queue.get(timeout=timeout)
+        assert got is op
+        hit = op.storage_hit_count
+        if hit <= 0:
+            return 0, 0, None
+        host_indices, alloc_len = self.cc.allocate_storage_hit(
+            op, hit, allow_partial=False, min_tokens=PAGE, evict_host=lambda n: 0)
+        if host_indices is None:
+            return hit, 0, None
+        op.storage_hit_count = alloc_len
+        op.hash_value = op.hash_value[: alloc_len // PAGE]
+        op.host_indices = host_indices
+        self.cc.prefetch_buffer.put(op)
+        completed = 0
+        deadline = time.monotonic() + timeout
+        while True:
+            ack = self.cc.ack_prefetch_queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            if ack.completed_tokens is not None:
+                completed = max(completed, ack.completed_tokens)
+            if ack.completed_req:
+                break
+        return hit, completed, host_indices
+
+    def close(self):
+        try:
+            self.cc.detach_storage_backend()
+        finally:
+            self.dist.destroy_process_group()
+
+
+def run_ranks(world, target, args=(), timeout=240):
+    """Spawn ``world`` rank processes running ``target(rank, world, port, *args) -> dict``."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
+                                   f"within {timeout}s (hang)") from None
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    if errors:
+        raise AssertionError("rank failures:\n" + "\n".join(f"rank {r}:\n{e}" for r, e in errors.items()))
+    return [results[r] for r in range(world)]
+
+
+def _entry(target, rank, world, port, args, q):
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    try:
+        res = target(rank, world, port, *args)
+    except BaseException:
+        res = {"error": traceback.format_exc()}
+    q.put((rank, res))
