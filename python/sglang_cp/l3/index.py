@@ -240,3 +240,31 @@ class LmdbIndex:
     def close(self) -> None:
         with self._rw.exclusive():
             self.env.close()
+
+
+# LMDB allows one open environment per path per process; ranks hosted in one process share it.
+_shared: dict[str, list] = {}
+_shared_lock = threading.Lock()
+
+
+class SharedIndex:
+    """A reference to the process-wide LmdbIndex of a path; close() drops the reference."""
+
+    def __new__(cls, path: str, map_size: int, max_map_size: int) -> LmdbIndex:
+        key = os.path.realpath(path)
+        with _shared_lock:
+            entry = _shared.get(key)
+            if entry is None:
+                ix = LmdbIndex(path, map_size, max_map_size)
+                entry = _shared[key] = [ix, 0]
+                real_close = ix.close
+
+                def close_ref() -> None:
+                    with _shared_lock:
+                        entry[1] -= 1
+                        if entry[1] == 0:
+                            del _shared[key]
+                            real_close()
+                ix.close = close_ref
+            entry[1] += 1
+            return entry[0]

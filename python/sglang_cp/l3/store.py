@@ -28,7 +28,7 @@ from .config import L3Config
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .gc import WatermarkPolicy
-from .index import IndexEntry, IndexUnavailable, LmdbIndex, index_key
+from .index import IndexEntry, IndexUnavailable, SharedIndex, index_key
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start
@@ -130,7 +130,7 @@ class L3Store:
             raise L3StartupError(f"disks[{disk_i}].path: cannot create '{slab_dir}' ({e.strerror}); "
                                  "the directory must be writable") from None
 
-        self._index = LmdbIndex(config.index.dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
+        self._index = SharedIndex(config.index.dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
         self._pools: dict[str, PayloadPool] = {}
         try:
             for p, b in payloads.items():
