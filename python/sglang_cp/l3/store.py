@@ -28,7 +28,7 @@ from .config import L3Config
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .gc import WatermarkPolicy
-from .index import IndexEntry, IndexUnavailable, SharedIndex, index_key
+from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start
@@ -373,7 +373,7 @@ class L3Store:
         for i, e in enumerate(entries):
             if e is None or not pool.entry_fits(e):
                 if e is not None:
-                    self._q.put(("drop", pool, ikeys[i], e, "geometry"))
+                    self._drop_entry(pool, ikeys[i], e)
                 self._count("misses")
                 self._finish(op, i, AckKind.READ, False)
                 continue
@@ -419,7 +419,17 @@ class L3Store:
                    }.get(err.reason, "header_errors")
         self._fault(counter, f"blob-{err.reason}", "L3 %s slot %d: %s; dropping the page (miss)",
                     pool.name, e.slot, err)
-        self._q.put(("drop", pool, ikey, e, err.reason))
+        self._drop_entry(pool, ikey, e)
+
+    def _drop_entry(self, pool: PayloadPool, ikey: bytes, e: IndexEntry) -> None:
+        """Delete the exact bad entry from the index now (so the miss is final when acked), then let the
+        write thread free the slot: index delete before slot free."""
+        try:
+            deleted = any(self._index.commit(deletes=[(ikey, e)]))
+        except (IndexFull, IndexUnavailable) as err:
+            self._fault("index_errors", "index-d", "L3 index delete of a bad page failed (%s)", err)
+            deleted = None
+        self._q.put(("drop", pool, ikey, e, deleted))
 
     def _exists(self, rows: list[list[bytes]]) -> int:
         self._raise_fatal()

@@ -166,18 +166,31 @@ class WriteThread:
         pool = run[0].pool
         try:
             images = [pool.seal_image(t.buf, t.slot, t.digest, t.seq) for t in run]
-            pool.slab.write_slots(run[0].slot, images)
+            try:
+                pool.slab.write_slots(run[0].slot, images)
+            except OSError:
+                if len(run) == 1:
+                    raise
+                # One bad sector must not fail its neighbours: retry page by page.
+                for t, img in zip(run, images):
+                    try:
+                        pool.slab.write_slot(t.slot, img)
+                    except OSError as err:
+                        self._write_failed(pool, [t], err)
         except OSError as err:
-            code = errno.errorcode.get(err.errno, str(err.errno))
-            for t in run:
-                t.error = f"errno {code}"
-            s._fault("write_errors", f"write-{code}", "L3 write of %s slots %d..%d failed: %s",
-                     pool.name, run[0].slot, run[-1].slot, err)
+            self._write_failed(pool, run, err)
         except BaseException as err:  # our bug: fail these pages, then fail loud on the next call
             for t in run:
                 t.error = repr(err)
             s._set_fatal(err)
         s._q.put(("io_done", run))
+
+    def _write_failed(self, pool: PayloadPool, run: list[WriteTask], err: OSError) -> None:
+        code = errno.errorcode.get(err.errno, str(err.errno))
+        for t in run:
+            t.error = f"errno {code}"
+        self.s._fault("write_errors", f"write-{code}", "L3 write of %s slots %d..%d failed: %s",
+                      pool.name, run[0].slot, run[-1].slot, err)
 
     def _start_commit(self) -> None:
         group, self.completed = self.completed, []
@@ -306,19 +319,21 @@ class WriteThread:
             self.dirty_touch.pop(ikey, None)
         return True
 
-    def _drop(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, reason: str) -> None:
+    def _drop(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, deleted: Optional[bool]) -> None:
+        """A reader found a bad page and (normally) already deleted its exact index entry."""
         s = self.s
         cur = pool.lru.get(ikey)
-        if cur is not None and (cur.slot, cur.seq) == (e.slot, e.seq):
-            if self._delete_then_free(pool, [(ikey, cur)]):
-                s._count("bad_pages_dropped")
+        ours = cur is not None and (cur.slot, cur.seq) == (e.slot, e.seq)
+        if deleted is None:  # the reader's index delete failed: retry here, still before any free
+            if ours:
+                if self._delete_then_free(pool, [(ikey, cur)]):
+                    s._count("bad_pages_dropped")
             return
-        # Not (or no longer) ours in memory: drop only that exact stale index entry, free nothing.
-        try:
-            if any(s._index.commit(deletes=[(ikey, e)])):
-                s._count("bad_pages_dropped")
-        except (IndexFull, IndexUnavailable) as err:
-            s._fault("index_errors", "index-d", "L3 index delete failed (%s)", err)
+        if ours:
+            pool.release(ikey, cur)
+            self.dirty_touch.pop(ikey, None)
+        if deleted:
+            s._count("bad_pages_dropped")
 
     def _delete(self, done: threading.Event, box: dict, pool: PayloadPool, ikeys: list[bytes]) -> None:
         try:

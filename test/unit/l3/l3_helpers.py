@@ -35,3 +35,25 @@ def page(i: int, size: int = 16384) -> bytes:
 
 def slab_path(store: L3Store, payload: str = "kv") -> str:
     return store._pools[payload].slab.path
+
+
+def slot_of(store: L3Store, key: bytes, payload: str = "kv") -> int:
+    from sglang_cp.l3.blob import key_digest
+    from sglang_cp.l3.index import index_key
+    pool = store._pools[payload]
+    return pool.lru.get(index_key(pool.tag, key_digest(payload, store.rank, key))).slot
+
+
+def slot_offset(store: L3Store, key: bytes, payload: str = "kv") -> int:
+    return slot_of(store, key, payload) * store._pools[payload].slab.slot_bytes
+
+
+def flip(path: str, offset: int, mask: int = 0x01) -> None:
+    """Flip bits of one byte in place (buffered; O_DIRECT readers see it after the kernel's writeback)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ mask]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
