@@ -196,3 +196,23 @@ def test_transfer_hooks_split_memcpy_backends_and_leave_kernel_alone():
     calls.clear()
     hook.load_per_layer_around(original, _Pool(), None, host, dev, 0, "direct")
     assert len(calls) == 1
+
+
+def test_buffer_outside_a_known_pool_is_refused_not_allocated(tmp_path):
+    # Pools whose geometry the hook does not know (MHA, mamba, NPU kv_split) must fail
+    # loud with the flag on, not get slabs cut at unknown page boundaries.
+    import torch
+
+    from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config
+    from sglang_cp.l2.errors import SlabPlanError
+    from sglang_cp.l2.hugetlbfs import HugetlbfsMount
+
+    core = HugepageHostAllocator(HugepageL2Config(str(tmp_path), 1, "t", 0),
+                                 mount=HugetlbfsMount.for_testing_on(str(tmp_path), 2 << 20))
+    allocator = hook._allocator_class()(core)
+    from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator
+
+    assert isinstance(allocator, HostTensorAllocator) and hook.is_ours(allocator)
+    with pytest.raises(SlabPlanError, match="outside a known pool"):
+        allocator.allocate((2, 4, 8), torch.bfloat16, "cpu")
+    assert os.listdir(tmp_path) == []
