@@ -245,3 +245,15 @@ def test_glm5_dsa_model_uses_the_deepseek_moe_block_with_megamoe_fast_path():
 
     assert issubclass(GlmMoeDsaForCausalLM, DeepseekV2ForCausalLM)
     assert "should_use_mega_moe" in inspect.getsource(DeepseekV2MoE)
+
+
+def test_megamoe_resolution_refuses_without_a_capable_gpu():
+    from sglang.srt.server_args import prepare_server_args
+
+    if torch.cuda.is_available():
+        pytest.skip("covered by test/gpu/test_seed_megamoe_args.py on a GPU")
+    args = prepare_server_args(
+        ["--model-path", "dummy", "--moe-a2a-backend", "megamoe", "--tp-size", "8"]
+    )
+    with pytest.raises(ValueError, match="megamoe needs a CUDA SM90 GPU"):
+        args.resolve_once()

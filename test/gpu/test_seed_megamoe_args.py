@@ -1,0 +1,28 @@
+"""002#04 MegaMoE a2a backend: on an SM90/SM100 GPU upstream resolves
+--moe-a2a-backend megamoe and forces ep_size to tp_size (on CPU it refuses
+with a clear message, covered by test/unit/seed_parity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available()
+        or torch.cuda.get_device_capability()[0] not in (9, 10),
+        reason="needs an SM90 or SM100 GPU",
+    ),
+]
+
+
+def test_megamoe_forces_ep_size_to_tp_size():
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(
+        ["--model-path", "dummy", "--moe-a2a-backend", "megamoe", "--tp-size", "8"]
+    )
+    args.resolve_once()
+    assert args.moe_a2a_backend == "megamoe"
+    assert args.ep_size == args.tp_size == 8

@@ -1,0 +1,45 @@
+"""002#12 (spec-v2 D2H): hidden states are copied to the host only when the
+batch asked for them, and every copy is a pinned async D2H recorded on the
+result's copy_done event. Needs CUDA (events, pinned memory), no weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _result(hidden):
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    out = LogitsProcessorOutput(
+        next_token_logits=torch.zeros(4, 32, device="cuda"), hidden_states=hidden
+    )
+    res = GenerationBatchResult(
+        logits_output=out, next_token_ids=torch.arange(4, device="cuda")
+    )
+    res.copy_done = torch.cuda.Event()
+    return res
+
+
+@pytest.mark.parametrize("return_hidden_states", [False, True])
+def test_hidden_state_copy_gated_and_async_pinned(return_hidden_states):
+    hidden = torch.randn(4, 64, device="cuda")
+    res = _result(hidden)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the scheduler's copy_stream
+        res.copy_to_cpu(return_logprob=False, return_hidden_states=return_hidden_states)
+    res.copy_done.synchronize()
+    assert res.next_token_ids.device.type == "cpu" and res.next_token_ids.is_pinned()
+    assert res.next_token_ids.tolist() == [0, 1, 2, 3]
+    hs = res.logits_output.hidden_states
+    if return_hidden_states:
+        assert hs.device.type == "cpu" and hs.is_pinned()
+        assert torch.equal(hs, hidden.cpu())
+    else:
+        assert hs.device.type == "cuda"  # no D2H for a batch that did not ask
