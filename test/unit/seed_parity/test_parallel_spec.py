@@ -257,3 +257,24 @@ def test_megamoe_resolution_refuses_without_a_capable_gpu():
     )
     with pytest.raises(ValueError, match="megamoe needs a CUDA SM90 GPU"):
         args.resolve_once()
+
+
+# ---- 002#42 CP-local draft hidden side channel ---------------------------------------------
+
+
+def test_hidden_capture_is_per_forward_and_no_draft_hidden_side_channel_exists():
+    """The seed leaked a sticky capture_draft_hidden_states flag on a reused
+    worker batch and a draft_hidden_states tensor on LogitsProcessorOutput. In
+    0.5.23 the capture mode is a keyword argument of each forward (a fresh
+    ForwardBatch is built from it) and the output carries no such tensor."""
+    import inspect
+
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    fields = {f.name for f in dataclasses.fields(LogitsProcessorOutput)}
+    assert "draft_hidden_states" not in fields
+    param = inspect.signature(TpModelWorker.forward_batch_generation).parameters[
+        "capture_hidden_mode"
+    ]
+    assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None
