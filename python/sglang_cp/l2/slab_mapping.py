@@ -106,7 +106,10 @@ class SlabMapping:
             if self.registered:
                 from sglang_cp.l2.registration import unregister_mapping
 
-                unregister_mapping(self)
+                try:
+                    unregister_mapping(self)
+                except Exception as e:  # e.g. at interpreter exit, after CUDA is gone
+                    logger.warning("unregistering L2 slabs of %r failed: %s", self.plan.label, e)
             raw, length = self._reserve
             if raw:
                 # One munmap over the reservation also drops every MAP_FIXED slab in it.
