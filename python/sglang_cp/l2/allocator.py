@@ -39,6 +39,7 @@ class HugepageL2Config:
     max_slab_gb: float
     namespace: str  # separates servers on one node (their --port)
     rank: int
+    prefault_threads: int = 8  # threads faulting slab pages in before registration
 
     @property
     def max_slab_bytes(self) -> int:
@@ -87,7 +88,7 @@ class HugepageHostAllocator:
             )
             for s in plan.slabs
         ]
-        mapping = SlabMapping(plan, self.mount, paths).map()
+        mapping = SlabMapping(plan, self.mount, paths).map(self.config.prefault_threads)
         array = (ctypes.c_uint8 * nbytes).from_address(mapping.base)
         # The mapping lives exactly as long as the last view of the tensor.
         weakref.finalize(array, mapping.close)

@@ -28,11 +28,16 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.memset.restype = ctypes.c_void_p
+_libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def _mmap(addr: Optional[int], length: int, prot: int, flags: int, fd: int) -> int:
@@ -64,13 +69,29 @@ class SlabMapping:
         """(address, mapped bytes) of every slab: exactly the cudaHostRegister calls."""
         return [(self.base + s.offset, s.mapped_bytes) for s in self.plan.slabs]
 
-    def map(self) -> "SlabMapping":
+    def _no_pages(self, slab, cause) -> InsufficientHugepagesError:
+        hp = self.plan.hugepage_size
+        return InsufficientHugepagesError(
+            f"mapping HiCache host pool {self.plan.label!r} slab {slab.index + 1}/{len(self.plan.slabs)} "
+            f"({fmt_gb(slab.mapped_bytes)}, {slab.mapped_bytes // hp} x {fmt_page(hp)} hugepages) on "
+            f"{self.mount.path} failed with ENOMEM ({cause}) after the preflight passed: hugepages "
+            f"were taken concurrently. Fix: raise vm.nr_hugepages or lower --hicache-size / --hicache-ratio"
+        )
+
+    def map(self, prefault_threads: int = 1) -> "SlabMapping":
+        """Create, size and map every slab file; fault every page in before returning.
+
+        cudaHostRegister pins what is there, so pages must exist first. One thread uses
+        MAP_POPULATE; several split the range and fault it in parallel (the kernel zeroes
+        each hugepage on first touch, which is what dominates at hundreds of GiB).
+        """
         hp = self.plan.hugepage_size
         reserve_len = self.plan.mapped_bytes + hp
         raw = _mmap(None, reserve_len, 0,  # PROT_NONE: address space only
                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
         self._reserve = (raw, reserve_len)
         self.base = -(-raw // hp) * hp
+        populate = _MAP_POPULATE if prefault_threads <= 1 else 0
         try:
             for slab, path in zip(self.plan.slabs, self.paths):
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -78,24 +99,46 @@ class SlabMapping:
                 self._created.append(path)
                 os.ftruncate(fd, slab.mapped_bytes)
                 try:
+                    # A MAP_SHARED hugetlbfs mapping reserves all its pages here: no
+                    # SIGBUS later, ENOMEM now if they are gone.
                     _mmap(self.base + slab.offset, slab.mapped_bytes, mmap.PROT_READ | mmap.PROT_WRITE,
-                          mmap.MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd)
+                          mmap.MAP_SHARED | _MAP_FIXED | populate, fd)
                 except OSError as e:
                     if e.errno == errno_mod.ENOMEM:
-                        # Preflight passed, so another process took the pages meanwhile.
-                        raise InsufficientHugepagesError(
-                            f"mmap of HiCache host pool {self.plan.label!r} slab "
-                            f"{slab.index + 1}/{len(self.plan.slabs)} ({fmt_gb(slab.mapped_bytes)}, "
-                            f"{slab.mapped_bytes // hp} x {fmt_page(hp)} hugepages) on {self.mount.path} "
-                            f"failed with ENOMEM after the preflight passed: hugepages were taken "
-                            f"concurrently. Fix: raise vm.nr_hugepages or lower --hicache-size / "
-                            f"--hicache-ratio"
-                        ) from e
+                        raise self._no_pages(slab, "mmap") from e
                     raise
+            if not populate:
+                self._prefault(prefault_threads)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _prefault(self, threads: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        hp = self.plan.hugepage_size
+        chunk = max(hp, -(-self.plan.mapped_bytes // (threads * 4)) // hp * hp)
+        jobs = [
+            (slab, addr, min(chunk, self.base + slab.offset + slab.mapped_bytes - addr))
+            for slab in self.plan.slabs
+            for addr in range(self.base + slab.offset, self.base + slab.offset + slab.mapped_bytes, chunk)
+        ]
+
+        def fault(job):
+            slab, addr, length = job
+            # ctypes drops the GIL, so the threads fault in parallel.
+            if _libc.madvise(addr, length, _MADV_POPULATE_WRITE) == 0:
+                return
+            err = ctypes.get_errno()
+            if err == errno_mod.ENOMEM:
+                raise self._no_pages(slab, "MADV_POPULATE_WRITE")
+            if err != errno_mod.EINVAL:
+                raise OSError(err, os.strerror(err))
+            _libc.memset(addr, 0, length)  # kernel < 5.14: touch instead (pages are reserved)
+
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(fault, jobs))
 
     def close(self) -> None:
         """Unregister (if needed), unmap, close and unlink. Idempotent."""

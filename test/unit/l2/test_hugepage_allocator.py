@@ -167,3 +167,23 @@ def test_live_owner_of_our_rank_is_refused_other_namespaces_untouched(hugetlbfs_
     finally:
         p.kill()
         p.wait(timeout=60)
+
+
+def _sysfs(name):
+    with open(f"{SYSFS}/{name}") as f:
+        return int(f.read())
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_every_page_is_faulted_in_before_registration(hugetlbfs_dir, threads):
+    # cudaHostRegister pins what exists: the allocator must hand back populated pages,
+    # whether MAP_POPULATE (1 thread) or parallel MADV_POPULATE_WRITE did it.
+    free, resv = _sysfs("free_hugepages"), _sysfs("resv_hugepages")
+    alloc = HugepageHostAllocator(HugepageL2Config(hugetlbfs_dir, 20 / 1024, f"pf{threads}", 0,
+                                                   prefault_threads=threads))
+    t = mla_layer_first(alloc)
+    n = slabs_of(t).plan.hugepages
+    assert _sysfs("free_hugepages") == free - n, "pages were only reserved, not faulted in"
+    assert _sysfs("resv_hugepages") == resv
+    alloc.close()
+    assert _sysfs("free_hugepages") == free
