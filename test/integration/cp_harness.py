@@ -42,7 +42,7 @@ def page_bytes_pattern(page_i: int, nbytes: int, salt: int = 0):
 
 class Rank:
     def __init__(self, rank, world, port, l3_config, *, sharded, layers=4, host_pages=64,
-                 cold_start="clear", extra_args=(), layout="page_first"):
+                 cold_start="clear", extra_args=(), layout="page_first", model_name=None):
         import torch
         import torch.distributed as dist
 
@@ -114,7 +114,7 @@ class Rank:
             alloc, self.group, PAGE, world_group, load_cache_event=threading.Event(),
             attn_cp_group=world_group, write_policy="write_through", io_backend="direct",
             storage_backend=self.backend_name, storage_backend_extra_config=extra,
-            transfer_layer_id_max=layers)
+            transfer_layer_id_max=layers, model_name=model_name)
         self.backend = self.cc.storage_backend
         self.page_nbytes = host.get_data_page(0, flat=True).numel() * 2
 
@@ -163,7 +163,7 @@ class Rank:
     def backup(self, tokens, host_indices, timeout=60):
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)  # as the radix tree hashes nodes
         op_id = self.cc.write_storage(host_indices, tokens, hash_value=hashes)
         op = self.cc.ack_backup_queue.get(timeout=timeout)
         assert op.id == op_id

@@ -33,3 +33,128 @@ def roundtrip(rank, world, port, l3_config, sharded, n_pages, write_phase, cold_
         return out
     finally:
         r.close()
+
+
+def _digest(*parts) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def skew(rank, world, port, l3_config, n_pages, slow_rank, fail_rank, fail_nth):
+    """One rank writes slowly, another fails its fail_nth page write (EIO at the I/O seam)."""
+    import errno
+    import time
+
+    r = Rank(rank, world, port, l3_config, sharded=True)
+    try:
+        store = r.backend.store
+        if rank == slow_rank:
+            orig = store.write_pages
+
+            def slow(*a, **k):
+                time.sleep(0.4)
+                return orig(*a, **k)
+            store.write_pages = slow
+        failed_logical = None
+        tokens = tokens_for(n_pages, seed=3)
+        hi = r.alloc_host(n_pages * PAGE, start_owner=0)
+        owned_logical = [i for i in range(n_pages) if r.owner_of_page_start(int(hi[i * PAGE])) == rank]
+        if rank == fail_rank:
+            slab = store._pools["kv"].slab  # the store's own fault seam (l3/disk_slab.py)
+            bad = {"slot": None, "seen": 0}
+
+            def inject(op, _slab, slot):
+                # A bad sector: the fail_nth slot this rank writes fails every time.
+                if op != "write":
+                    return
+                if bad["slot"] is None:
+                    bad["seen"] += 1
+                    if bad["seen"] == fail_nth:
+                        bad["slot"] = slot
+                if slot == bad["slot"]:
+                    raise OSError(errno.EIO, "injected EIO")
+            slab.fault_injector = inject
+        r.fill(hi, n_pages)
+        backed = r.backup(tokens, hi)
+        # Which of this rank's pages did not become durable (the store coalesces slots,
+        # so one injected EIO can cost more than one page): ask the index, page by page.
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        keys = r.backend.keys.keys(hashes, rank)
+        missing = [i for i in owned_logical if store.exists_prefix("kv", [keys[i]]) == 0]
+        failed_logical = missing[0] if missing else None
+        r.group.free(hi)
+        r.zero_host()
+        r.dist.barrier()
+        hit, completed, hi2 = r.prefetch(tokens)
+        checked = equal = 0
+        owners = []
+        if hi2 is not None:
+            owners = [r.owner_of_page_start(int(hi2[i * PAGE])) for i in range(hit // PAGE)]
+            checked, equal = r.check(hi2, completed // PAGE)
+        return {"rank": rank, "backed": backed, "hit": hit, "completed": completed, "owners": owners,
+                "checked": checked, "equal": equal, "failed_logical": failed_logical,
+                "digest": _digest(hit, completed, owners),
+                "write_errors": r.backend.l3_stats()["counters"].get("write_errors", 0)}
+    finally:
+        r.close()
+
+
+def identity_probe(rank, world, port, l3_config, n_pages, write, model_name, extra_key, cold_start):
+    """Write under one identity, or read back under another: collisions must be misses."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    r = Rank(rank, world, port, l3_config, sharded=False, cold_start=cold_start, model_name=model_name)
+    try:
+        tokens = RadixKey(tokens_for(n_pages, seed=11), extra_key=extra_key)
+        out = {"rank": rank}
+        if write:
+            hi = r.alloc_host(n_pages * PAGE)
+            r.fill(hi, n_pages, salt=5)
+            out["backed"] = r.backup(tokens, hi)
+        else:
+            hit, completed, hi2 = r.prefetch(tokens)
+            out.update(hit=hit, completed=completed)
+            if hi2 is not None:
+                out["checked"], out["equal"] = r.check(hi2, completed // PAGE, salt=5)
+        return out
+    finally:
+        r.close()
+
+
+def count_collectives(rank, world, port, l3_config, sharded, n_pages):
+    """Count gloo all_reduce calls per thread: while idle, and for one prefetch."""
+    import collections
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    counts = collections.Counter()
+    orig = dist.all_reduce
+
+    def counting(*a, **k):
+        counts[threading.current_thread().name.split("-")[0]] += 1
+        return orig(*a, **k)
+    dist.all_reduce = counting
+    r = Rank(rank, world, port, l3_config, sharded=sharded)
+    try:
+        tokens = tokens_for(n_pages, seed=21)
+        hi = r.alloc_host(n_pages * PAGE, start_owner=0)
+        r.fill(hi, n_pages)
+        r.backup(tokens, hi)
+        r.dist.barrier()
+        counts.clear()
+        time.sleep(2.5)  # storage threads are polling their queues: an idle period
+        idle = sum(counts.values())
+        counts.clear()
+        hit, completed, _ = r.prefetch(tokens)
+        time.sleep(0.5)
+        return {"rank": rank, "idle": idle, "prefetch": sum(counts.values()), "hit": hit,
+                "completed": completed}
+    finally:
+        dist.all_reduce = orig
+        r.close()
