@@ -43,3 +43,16 @@ def test_hidden_state_copy_gated_and_async_pinned(return_hidden_states):
         assert torch.equal(hs, hidden.cpu())
     else:
         assert hs.device.type == "cuda"  # no D2H for a batch that did not ask
+
+
+def test_grouped_small_copy_on_cuda_matches_per_tensor_copy():
+    from sglang.srt.model_executor.runner_utils.buffers import _grouped_foreach_copy_
+
+    srcs = [torch.arange(n, device="cuda", dtype=dt) for n, dt in
+            [(7, torch.int32), (64, torch.int64), (3, torch.int64), (5, torch.float32)]]
+    dsts = [torch.empty(s.shape, device="cuda", dtype=torch.int64 if s.dtype != torch.float32 else torch.float32)
+            for s in srcs]
+    _grouped_foreach_copy_(dsts, srcs)
+    torch.cuda.synchronize()
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d.cpu(), s.cpu().to(d.dtype))

@@ -278,3 +278,27 @@ def test_hidden_capture_is_per_forward_and_no_draft_hidden_side_channel_exists()
         "capture_hidden_mode"
     ]
     assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None
+
+
+# ---- 002#12 grouped small copies for draft graph replay ---------------------------------------
+
+
+def test_draft_replay_small_copies_are_grouped_and_exact():
+    import inspect
+
+    from sglang.srt.model_executor.runner_utils.buffers import _grouped_foreach_copy_
+    from sglang.srt.speculative import (
+        eagle_draft_cuda_graph_runner,
+        eagle_draft_extend_cuda_graph_runner,
+    )
+
+    dsts = [torch.zeros(5, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
+            torch.zeros(4, dtype=torch.float32), torch.zeros(2, dtype=torch.int64)]
+    srcs = [torch.arange(5, dtype=torch.int32), torch.arange(3, dtype=torch.int32),
+            torch.ones(4, dtype=torch.bfloat16), torch.tensor([7, 9])]
+    _grouped_foreach_copy_(dsts, srcs)  # mixed dtype pairs, one foreach per pair
+    assert dsts[0].tolist() == [0, 1, 2, 3, 4] and dsts[0].dtype == torch.int64
+    assert dsts[1].tolist() == [0, 1, 2] and dsts[2].tolist() == [1.0] * 4
+    assert dsts[3].tolist() == [7, 9]
+    for mod in (eagle_draft_cuda_graph_runner, eagle_draft_extend_cuda_graph_runner):
+        assert "_grouped_foreach_copy_(copy_dsts, copy_srcs)" in inspect.getsource(mod)
