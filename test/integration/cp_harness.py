@@ -42,7 +42,8 @@ def page_bytes_pattern(page_i: int, nbytes: int, salt: int = 0):
 
 class Rank:
     def __init__(self, rank, world, port, l3_config, *, sharded, layers=4, host_pages=64,
-                 cold_start="clear", extra_args=(), layout="page_first", model_name=None):
+                 cold_start="clear", extra_args=(), layout="page_first", model_name=None,
+                 sidecars=False):
         import torch
         import torch.distributed as dist
 
@@ -105,16 +106,41 @@ class Rank:
                                  max_prefix_tokens=world * PAGE, chunk_tokens=PAGE)
             self.placement = PageInterleavePlacement(spec)
             host = PageInterleaveHostPool(host, self.placement)
-        self.group = HostPoolGroup([build_pool_entry(
-            name=__import__("sglang.srt.mem_cache.hicache_storage", fromlist=["PoolName"]).PoolName.KV,
-            host_pool=host, device_pool=kv, layer_mapping={i: i for i in range(layers)},
-            transfer_layer_id_max=layers, is_anchor=True)])
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.PoolName = PoolName
+        entries = [build_pool_entry(
+            name=PoolName.KV, host_pool=host, device_pool=kv, layer_mapping={i: i for i in range(layers)},
+            transfer_layer_id_max=layers, is_anchor=True)]
+        # Sidecars in GLM-5 shapes: the DSA indexer-K cache (132 B/token/layer: FP8 K plus
+        # its scale) and one MTP draft layer of FP8 MLA KV (656 B/token). They share the
+        # anchor's (logical) page indices, as upstream's KV-derived sidecars do.
+        self.sidecar_hosts = {}
+        if sidecars:
+            for name, width, n_layers in ((PoolName.INDEXER, 132, layers), (PoolName.DRAFT, 656, 1)):
+                dev = MLATokenToKVPool(size=dev_tokens, page_size=PAGE, dtype=torch.uint8,
+                                       kv_lora_rank=width - 4, qk_rope_head_dim=4, layer_num=n_layers,
+                                       device="cpu", enable_memory_saver=False)
+                side = MLATokenToKVPoolHost(
+                    dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, layout, pin_memory=False,
+                    device="cpu", override_kv_cache_dim=width, device_capacity_tokens=dev_tokens,
+                    start_layer=0, end_layer=n_layers - 1, target_layer_num=n_layers,
+                    host_token_capacity=host_pages * PAGE, pool_label=name.value)
+                self.sidecar_hosts[name] = side
+                entries.append(build_pool_entry(
+                    name=name, host_pool=side, device_pool=dev, layer_mapping={i: i for i in range(n_layers)},
+                    transfer_layer_id_max=layers))
+        self.group = HostPoolGroup(entries)
         world_group = dist.group.WORLD
         self.cc = HybridCacheController(
             alloc, self.group, PAGE, world_group, load_cache_event=threading.Event(),
             attn_cp_group=world_group, write_policy="write_through", io_backend="direct",
             storage_backend=self.backend_name, storage_backend_extra_config=extra,
             transfer_layer_id_max=layers, model_name=model_name)
+        if sidecars:
+            # Upstream's hybrid controller registers group entries with the backend at
+            # attach (register_mem_host_pool_v2); our store opens once all are known.
+            assert set(self.cc.storage_backend.payloads) == {"kv", "indexer", "draft"}
         self.backend = self.cc.storage_backend
         self.page_nbytes = host.get_data_page(0, flat=True).numel() * 2
 
@@ -135,36 +161,58 @@ class Rank:
             return self.group.alloc(n_tokens, start_owner=start_owner)
         return self.group.alloc(n_tokens)
 
+    def _pools(self):
+        yield 0, self.native_host
+        for k, (_name, pool) in enumerate(sorted(self.sidecar_hosts.items(), key=lambda kv: kv[0].value)):
+            yield k + 1, pool
+
+    @staticmethod
+    def _page_view(pool, row):
+        view = pool.get_data_page(row, flat=True)
+        return view.view(-1).view(__import__("torch").uint8)
+
     def fill(self, host_indices, n_pages, salt=0):
-        """Write each logical page's pattern into this rank's rows (its stripe under sharding)."""
+        """Write each logical page's pattern into this rank's rows (its stripe under sharding),
+        for the target KV and every sidecar pool."""
         for i in range(n_pages):
             start = int(host_indices[i * PAGE])
             if self.owner_of_page_start(start) != self.rank:
                 continue
-            view = self.native_host.get_data_page(self.local_row(start), flat=True)
-            view.view(self.torch.uint8).copy_(page_bytes_pattern(i, self.page_nbytes, salt))
+            for k, pool in self._pools():
+                view = self._page_view(pool, self.local_row(start))
+                view.copy_(page_bytes_pattern(i, view.numel(), salt + 97 * k))
 
     def check(self, host_indices, n_pages, salt=0):
-        """(pages checked on this rank, pages equal) for this rank's stripe."""
+        """(pages checked on this rank, pages equal in every payload) for this rank's stripe."""
         checked = equal = 0
         for i in range(n_pages):
             start = int(host_indices[i * PAGE])
             if self.owner_of_page_start(start) != self.rank:
                 continue
             checked += 1
-            view = self.native_host.get_data_page(self.local_row(start), flat=True)
-            if self.torch.equal(view.view(self.torch.uint8), page_bytes_pattern(i, self.page_nbytes, salt)):
-                equal += 1
+            ok = True
+            for k, pool in self._pools():
+                view = self._page_view(pool, self.local_row(start))
+                ok &= self.torch.equal(view, page_bytes_pattern(i, view.numel(), salt + 97 * k))
+            equal += int(ok)
         return checked, equal
 
     def zero_host(self):
-        self.native_host.kv_buffer.zero_()
+        for _k, pool in self._pools():
+            pool.kv_buffer.zero_()
+
+    def sidecar_transfers(self):
+        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+        return [PoolTransfer(name=name, indices_from_pool=self.PoolName.KV) for name in sorted(
+            self.sidecar_hosts, key=lambda n: n.value)] or None
 
     def backup(self, tokens, host_indices, timeout=60):
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         hashes = get_storage_hash_str(tokens, None, page_size=PAGE)  # as the radix tree hashes nodes
-        op_id = self.cc.write_storage(host_indices, tokens, hash_value=hashes)
+        op_id = self.cc.write_storage(host_indices, tokens, hash_value=hashes,
+                                      extra_pools=self.sidecar_transfers())
         op = self.cc.ack_backup_queue.get(timeout=timeout)
         assert op.id == op_id
         return op.completed_tokens
@@ -172,7 +220,7 @@ class Rank:
     def prefetch(self, tokens, rid="r0", timeout=60):
         """Upstream's prefetch end to end; returns (agreed hit tokens, completed tokens, host indices)."""
         handle = types.SimpleNamespace(rid=rid)
-        op = self.cc.prefetch(handle, tokens, None)
+        op = self.cc.prefetch(handle, tokens, None, extra_pools=self.sidecar_transfers())
         got = self.cc.prefetch_hit_queue.get(timeout=timeout)
         assert got is op
         hit = op.storage_hit_count

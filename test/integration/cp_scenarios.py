@@ -10,9 +10,13 @@ def tokens_for(n_pages: int, seed: int = 0) -> list[int]:
 
 
 def roundtrip(rank, world, port, l3_config, sharded, n_pages, write_phase, cold_start="clear",
-              do_write=True, salt=0, seed=0):
-    """Back up n_pages, wipe the host pool, prefetch them back, compare this rank's stripe."""
-    r = Rank(rank, world, port, l3_config, sharded=sharded, cold_start=cold_start)
+              do_write=True, salt=0, seed=0, sidecars=False, drop_sidecar_page=None):
+    """Back up n_pages, wipe the host pool, prefetch them back, compare this rank's stripe.
+
+    drop_sidecar_page: logical page whose DSA indexer payload its owner deletes after the
+    backup (a sidecar not durable): the whole logical page and everything after it must miss.
+    """
+    r = Rank(rank, world, port, l3_config, sharded=sharded, cold_start=cold_start, sidecars=sidecars)
     try:
         tokens = tokens_for(n_pages, seed)
         out = {"rank": rank}
@@ -20,13 +24,19 @@ def roundtrip(rank, world, port, l3_config, sharded, n_pages, write_phase, cold_
             hi = r.alloc_host(n_pages * PAGE, start_owner=write_phase)
             r.fill(hi, n_pages, salt)
             out["backed_up"] = r.backup(tokens, hi)
+            if drop_sidecar_page is not None and r.owner_of_page_start(int(hi[drop_sidecar_page * PAGE])) == rank:
+                from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+                h = get_storage_hash_str(tokens, None, page_size=PAGE)[drop_sidecar_page]
+                assert r.backend.store.delete("indexer", r.backend.keys.keys([h], rank)) == 1
             r.group.free(hi)
             r.zero_host()
         r.dist.barrier()
         hit, completed, hi2 = r.prefetch(tokens)
         out.update(hit=hit, completed=completed)
         if hi2 is not None:
-            owners = [r.owner_of_page_start(int(hi2[i * PAGE])) if sharded else rank for i in range(n_pages)]
+            owners = [r.owner_of_page_start(int(hi2[i * PAGE])) if sharded else rank
+                      for i in range(len(hi2) // PAGE)]
             out["owners"] = owners
             out["checked"], out["equal"] = r.check(hi2, completed // PAGE, salt)
         out["stats"] = r.backend.l3_stats()["counters"]

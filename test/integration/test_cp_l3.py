@@ -84,3 +84,15 @@ def test_agreement_rides_upstreams_collectives(l3cfg):
         assert a["idle"] == 0 and b["idle"] == 0
         assert a["hit"] == b["hit"] == 5 * PAGE
         assert a["prefetch"] == b["prefetch"] > 0
+
+
+def test_sidecars_go_with_target_kv(l3cfg):
+    """DSA indexer-K and draft KV ride the v2 PoolTransfer API with the target KV; a
+    logical page is a hit only when every payload of it is durable on its owner."""
+    n_pages, phase = 6, 0
+    res = run_ranks(2, roundtrip, (l3cfg, True, n_pages, phase, "clear", True, 0, 0, True))
+    _assert_roundtrip(res, n_pages, True, phase)  # bytes equal in all three payloads
+    res = run_ranks(2, roundtrip, (l3cfg, True, n_pages, phase, "clear", True, 0, 1, True, 3))
+    assert {r["hit"] for r in res} == {3 * PAGE}
+    for r in res:
+        assert r["equal"] == r["checked"]
