@@ -302,3 +302,14 @@ def test_draft_replay_small_copies_are_grouped_and_exact():
     assert dsts[3].tolist() == [7, 9]
     for mod in (eagle_draft_cuda_graph_runner, eagle_draft_extend_cuda_graph_runner):
         assert "_grouped_foreach_copy_(copy_dsts, copy_srcs)" in inspect.getsource(mod)
+
+
+def test_megamoe_spans_experts_over_tp_ranks():
+    """002#04: --moe-a2a-backend megamoe forces ep_size = tp_size (the post-process
+    step upstream runs during resolution; a pure function of the resolving view)."""
+    from sglang.srt.arg_groups.overrides import _A2A_EP_SPANNING_BACKENDS, _a2a_ep_size
+
+    assert "megamoe" in _A2A_EP_SPANNING_BACKENDS
+    view = types.SimpleNamespace(moe_a2a_backend="megamoe", ep_size=1, tp_size=8)
+    assert _a2a_ep_size(view) == {"ep_size": 8}
+    assert _a2a_ep_size(types.SimpleNamespace(moe_a2a_backend="none", ep_size=1, tp_size=8)) == {}
