@@ -57,7 +57,7 @@ def skew(rank, world, port, l3_config, n_pages, slow_rank, fail_rank, fail_nth):
     import errno
     import time
 
-    r = Rank(rank, world, port, l3_config, sharded=True)
+    r = Rank(rank, world, port, l3_config, sharded=True, extra_args=("--enable-metrics",))
     try:
         store = r.backend.store
         if rank == slow_rank:
@@ -105,7 +105,13 @@ def skew(rank, world, port, l3_config, n_pages, slow_rank, fail_rank, fail_nth):
         if hi2 is not None:
             owners = [r.owner_of_page_start(int(hi2[i * PAGE])) for i in range(hit // PAGE)]
             checked, equal = r.check(hi2, completed // PAGE)
+        from prometheus_client import REGISTRY, generate_latest
+
+        r.backend._metrics.publish_once()  # what /metrics would show now
+        metrics = [line for line in generate_latest(REGISTRY).decode().splitlines()
+                   if line.startswith("sglang:cp_l3_write_errors_total")]
         return {"rank": rank, "backed": backed, "hit": hit, "completed": completed, "owners": owners,
+                "metrics": metrics,
                 "checked": checked, "equal": equal, "failed_logical": failed_logical,
                 "digest": _digest(hit, completed, owners),
                 "write_errors": r.backend.l3_stats()["counters"].get("write_errors", 0)}

@@ -62,6 +62,10 @@ def test_skewed_ranks_and_a_failed_write_agree_without_hang(l3cfg):
     assert {r["digest"] for r in res} == {res[0]["digest"]}
     for r in res:
         assert r["equal"] == r["checked"]
+    # --enable-metrics: each rank exports its own counters, labelled by its CP rank.
+    err0 = res[0]["write_errors"]
+    assert res[0]["metrics"] == [f'sglang:cp_l3_write_errors_total{{cp_rank="0",pp_rank="0",tp_rank="0"}} {float(err0)}']
+    assert res[1]["metrics"] == ['sglang:cp_l3_write_errors_total{cp_rank="1",pp_rank="0",tp_rank="1"} 0.0']
 
 
 def test_identities_never_read_each_others_pages(l3cfg):

@@ -88,6 +88,7 @@ class CpL3Storage(HiCacheStorage):
         self.placement = None
         self.shard_rank = 0
         self.shard_size = 1
+        self._metrics = None
 
     # ------------------------------------------------------------------ setup
     def register_mem_pool_host(self, mem_pool_host):
@@ -133,6 +134,7 @@ class CpL3Storage(HiCacheStorage):
             page_bytes=tuple(sorted(payloads.items())),
         ))
         self.payloads = payloads
+        self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
         logger.info("sglang-cp L3 backend ready: rank %d/%d, shard %d/%d, payloads %s",
                     rank, ranks_per_node, self.shard_rank, self.shard_size, payloads)
 
@@ -317,9 +319,34 @@ class CpL3Storage(HiCacheStorage):
         return self.store.stats() if self.store is not None else None
 
     def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+_collector = None  # prometheus metrics are process-global: one collector per process
+
+
+def _start_metrics(sc: HiCacheStorageConfig, cp_rank: int, stats_fn):
+    """Publish L3 metrics when the server runs with --enable-metrics."""
+    global _collector
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        enabled = bool(getattr(get_server_args(), "enable_metrics", False))
+    except Exception:  # no published server args (tools, tests): no metrics
+        enabled = False
+    if not enabled:
+        return None
+    from sglang_cp.metrics import CpL3MetricsCollector, MetricsPublisher
+
+    if _collector is None:
+        _collector = CpL3MetricsCollector(
+            {"cp_rank": str(cp_rank), "tp_rank": str(sc.tp_rank), "pp_rank": str(sc.pp_rank)})
+    return MetricsPublisher(_collector, stats_fn)
 
 
 def _pool_key(name) -> str:
