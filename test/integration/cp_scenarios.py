@@ -174,3 +174,31 @@ def count_collectives(rank, world, port, l3_config, sharded, n_pages):
     finally:
         dist.all_reduce = orig
         r.close()
+
+
+def placement_assert(rank, world, port, l3_config, n_pages, diverge):
+    """--cp-hicache-placement-assert: agreeing ranks pass; a diverged phase raises on all ranks."""
+    from sglang_cp.integration.l3_prefetch_agreement import PlacementMismatch
+
+    r = Rank(rank, world, port, l3_config, sharded=True, extra_args=("--cp-hicache-placement-assert",))
+    try:
+        tokens = tokens_for(n_pages, seed=5)
+        hi = r.alloc_host(n_pages * PAGE, start_owner=1)
+        r.fill(hi, n_pages)
+        r.backup(tokens, hi)
+        r.group.free(hi)
+        r.dist.barrier()
+        if diverge and rank == 1:
+            orig = r.cc.allocate_storage_hit
+
+            def skewed(op, *a, **k):  # simulate a rank-local bug: a different phase on rank 1
+                op._cp_l3_start_owner = (op._cp_l3_start_owner + 1) % world
+                return orig(op, *a, **k)
+            r.cc.allocate_storage_hit = skewed
+        try:
+            hit, completed, _ = r.prefetch(tokens)
+            return {"rank": rank, "hit": hit, "completed": completed, "raised": None}
+        except PlacementMismatch as e:
+            return {"rank": rank, "raised": str(e)}
+    finally:
+        r.close()

@@ -100,3 +100,12 @@ def test_sidecars_go_with_target_kv(l3cfg):
     assert {r["hit"] for r in res} == {3 * PAGE}
     for r in res:
         assert r["equal"] == r["checked"]
+
+
+def test_placement_assert_passes_when_ranks_agree_and_fails_loud_when_not(l3cfg, caplog):
+    from cp_scenarios import placement_assert
+
+    ok = run_ranks(2, placement_assert, (l3cfg, 4, False))
+    assert [r["raised"] for r in ok] == [None, None] and {r["hit"] for r in ok} == {4 * PAGE}
+    bad = run_ranks(2, placement_assert, (l3cfg, 4, True))
+    assert all(r["raised"] and "placement diverged" in r["raised"] for r in bad), bad

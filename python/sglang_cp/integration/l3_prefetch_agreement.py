@@ -26,7 +26,15 @@ Targets and why:
   owner-classed allocator cannot give that, the prefetch gets nothing (a miss): never a
   plain allocation that would load bytes into another rank's slots.
 
-Seed items: "MIN-vector agreement riding existing collectives", "load that preserves
+- ``HiCacheController.attach_storage_backend`` / ``HybridCacheController.
+  attach_storage_backend`` (AFTER): with ``--cp-hicache-placement-assert`` (debug), warn
+  once that it costs collectives and build dedicated gloo groups for it (the scheduler
+  thread must not share the prefetch thread's groups). Every prefetch allocation then
+  MIN/MAX-reduces a digest of (page keys, agreed phase, owner of every allocated page);
+  a mismatch is a broken invariant and raises on every rank at the point of violation.
+
+Seed items: "MIN-vector agreement riding existing collectives", "placement-digest debug
+assert (warn once)", "load that preserves
 the owner pattern (no silent plain-alloc fallback)", "a page is durable only when every
 owner rank acked it" (a hit needs every owner's stripe: MIN over ranks).
 """
@@ -133,8 +141,65 @@ def alloc_prefetch_host_buffers_around(original, self, operation, need_size):
         return original(self, operation, need_size)
     start = getattr(operation, "_cp_l3_start_owner", None)
     if start is None:
-        return None  # no agreed owner pattern: a miss, never a plain allocation
-    return self.mem_pool_host.alloc(need_size, start_owner=start)
+        indices = None  # no agreed owner pattern: a miss, never a plain allocation
+    else:
+        indices = self.mem_pool_host.alloc(need_size, start_owner=start)
+    groups = getattr(self, "_cp_l3_assert_groups", None)
+    if groups is not None:
+        assert_placement_agrees(self, backend, operation, start, indices, groups)
+    return indices
+
+
+class PlacementMismatch(RuntimeError):
+    pass
+
+
+def placement_digest(backend, operation, start, indices) -> int:
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(repr((list(getattr(operation, "hash_value", None) or []), start)).encode())
+    if indices is not None:
+        starts = indices.reshape(-1)[:: backend.mem_pool_host.page_size].to(torch.int64)
+        h.update(backend.placement.owner_of(starts).numpy().tobytes())
+    else:
+        h.update(b"no-allocation")
+    return int.from_bytes(h.digest()[:7], "little")  # fits a gloo int64 MIN/MAX
+
+
+def assert_placement_agrees(controller, backend, operation, start, indices, groups) -> None:
+    d = placement_digest(backend, operation, start, indices)
+    t = torch.tensor([d, -d], dtype=torch.int64)
+    for g in groups:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=g)
+    lo, hi = int(t[0]), -int(t[1])
+    if lo != hi:
+        raise PlacementMismatch(
+            f"CP placement diverged across ranks for prefetch {getattr(operation, 'request_id', '?')}: "
+            f"digest min {lo:#x} != max {hi:#x} (this rank {d:#x}, phase {start}). Ranks would load "
+            f"KV into different owners' slots; stopping (--cp-hicache-placement-assert).")
+
+
+_warned = {"placement": False}
+
+
+def attach_storage_backend_after(result, self, *args, **kwargs):
+    if not _ours(self):
+        return result
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        on = bool(getattr(get_server_args(), "cp_hicache_placement_assert", False))
+    except Exception:
+        on = False
+    if on and getattr(self, "_cp_l3_assert_groups", None) is None:
+        if not _warned["placement"]:
+            _warned["placement"] = True
+            logger.warning(
+                "--cp-hicache-placement-assert is on: every L3 prefetch allocation runs a "
+                "digest MIN/MAX collective across the CP group. Debug only; turn it off in production.")
+        self._cp_l3_assert_groups = self._create_sync_groups()
+    return result
 
 
 _SEED_AGREE = "MIN-vector agreement riding existing collectives"
@@ -155,6 +220,12 @@ HOOKS = (
     HookSpec(f"{_CC}.alloc_prefetch_host_buffers", "around", alloc_prefetch_host_buffers_around,
              seed="load that preserves the owner pattern (no silent plain-alloc fallback)",
              why="upstream allocates the prefetch bounce without an owner phase"),
+    HookSpec(f"{_CC}.attach_storage_backend", "after", attach_storage_backend_after,
+             seed="placement-digest debug assert (warn once)",
+             why="all ranks attach in lockstep: the one place to build the assert's own groups"),
+    HookSpec(f"{_HC}.attach_storage_backend", "after", attach_storage_backend_after,
+             seed="placement-digest debug assert (warn once)",
+             why="the hybrid controller overrides attach (sidecar registration)"),
     HookSpec(f"{_HC}.alloc_prefetch_host_buffers", "around", alloc_prefetch_host_buffers_around,
              seed="load that preserves the owner pattern (no silent plain-alloc fallback)",
              why="the hybrid controller overrides the prefetch allocation"),
