@@ -22,6 +22,7 @@ the transfer) are replayed here with the controller's own methods, in the same o
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -43,7 +44,7 @@ def page_bytes_pattern(page_i: int, nbytes: int, salt: int = 0):
 class Rank:
     def __init__(self, rank, world, port, l3_config, *, sharded, layers=4, host_pages=64,
                  cold_start="clear", extra_args=(), layout="page_first", model_name=None,
-                 sidecars=False):
+                 sidecars=False, backend="cp_l3", file_dir=None):
         import torch
         import torch.distributed as dist
 
@@ -59,9 +60,12 @@ class Rank:
         from sglang.srt.server_args import prepare_server_args
 
         argv = ["--model-path", "dummy", "--device", "cpu", "--page-size", str(PAGE),
-                "--enable-hierarchical-cache", "--hicache-mem-layout", layout,
-                "--enable-cp-l3", "--cp-l3-config", l3_config, "--cp-l3-cold-start", cold_start,
-                *extra_args]
+                "--enable-hierarchical-cache", "--hicache-mem-layout", layout, *extra_args]
+        if backend == "cp_l3":
+            argv += ["--enable-cp-l3", "--cp-l3-config", l3_config, "--cp-l3-cold-start", cold_start]
+        else:  # upstream's own backend, for side-by-side benchmarks
+            argv += ["--hicache-storage-backend", backend,
+                     "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": file_dir})]
         sa = prepare_server_args(argv)
         sa.resolve_once()
         from sglang.srt.arg_groups.overrides import resolved_view
@@ -74,8 +78,6 @@ class Rank:
             tp_rank=rank, attn_cp_rank=rank, attn_tp_rank=0, pp_rank=0,
             attn_dp_rank=0, attn_dcp_rank=0, moe_ep_rank=0, moe_tp_rank=rank, moe_dp_rank=0)
         cfg = resolved_view(sa)
-        import json
-
         extra = json.loads(cfg.hicache_storage_backend_extra_config)
         self.backend_name = cfg.hicache_storage_backend
 
@@ -137,7 +139,7 @@ class Rank:
             attn_cp_group=world_group, write_policy="write_through", io_backend="direct",
             storage_backend=self.backend_name, storage_backend_extra_config=extra,
             transfer_layer_id_max=layers, model_name=model_name)
-        if sidecars:
+        if sidecars and backend == "cp_l3":
             # Upstream's hybrid controller registers group entries with the backend at
             # attach (register_mem_host_pool_v2); our store opens once all are known.
             assert set(self.cc.storage_backend.payloads) == {"kv", "indexer", "draft"}
