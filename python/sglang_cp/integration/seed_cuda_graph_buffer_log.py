@@ -22,8 +22,12 @@ Seed item 002#17: "Attribute decode CUDA-graph GPU memory at capture time, gated
 by SGLANG_LOG_CG_BUFFERS=1 (off by default, startup-only, rank0) ... Also fix
 --enable-profile-cuda-graph dumping all families to one overwritten pickle".
 
-Gate: ``SGLANG_CP_LOG_CG_BUFFERS=1`` (our name for the seed's env), read at call
-time; off = every hook calls straight through. Rank 0 only. Capture runs once at
+Gate: ``SGLANG_CP_LOG_CG_BUFFERS=1`` (our name for the seed's env). Unlike a CLI
+flag, an environment variable is known when the plugin registers, and resolving
+these targets imports the graph runners (seconds in every process, the launcher
+included, and it reorders upstream's ``--reasoning-parser`` help choices). So
+``HOOKS`` is empty unless the variable is set; ``CANDIDATE_HOOKS`` holds the specs.
+The hooks still re-check it at call time; rank 0 only. Capture runs once at
 startup, so the cost never reaches the serving path.
 """
 
@@ -48,8 +52,12 @@ _ledger = BufferLedger()
 _growth: dict[int, ShapeGrowth] = {}
 
 
+def _env_on() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def _enabled() -> bool:
-    if os.environ.get(ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not _env_on():
         return False
     try:
         from sglang.srt.runtime_context import get_parallel
@@ -112,7 +120,7 @@ def post_process_after_profile_around(original, self, *args, **kwargs):
 _DECODE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 _SEED = "002#17 SGLANG_LOG_CG_BUFFERS decode CUDA-graph memory attribution"
 
-HOOKS = (
+CANDIDATE_HOOKS = (
     HookSpec(
         target=f"{_DECODE}.capture",
         kind="around",
@@ -149,3 +157,5 @@ HOOKS = (
         why="the only writer of the shared cuda_graph_runner_memory_usage.pickle",
     ),
 )
+
+HOOKS = CANDIDATE_HOOKS if _env_on() else ()

@@ -30,7 +30,8 @@ def register_seed_hooks() -> int:
 
     n = 0
     for name in SEED_HOOK_MODULES:
-        for spec in importlib.import_module(name).HOOKS:
+        mod = importlib.import_module(name)
+        for spec in getattr(mod, "CANDIDATE_HOOKS", mod.HOOKS):
             HookRegistry.register(spec.target, spec.fn, HookType[spec.kind.upper()])
             n += 1
     HookRegistry.apply_hooks()
