@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cp-l3-config", default=None)
     d.add_argument("--enable-cp-shared-physical-l2-hicache", action="store_true")
     d.add_argument("--cp-shared-l2-hugetlbfs-dir", default="/dev/hugepages")
-    d.add_argument("--hicache-size", type=float, default=None, help="host pool GiB per rank")
+    d.add_argument("--hicache-size", type=float, default=None,
+                   help="host pool size per rank in GB (1e9 bytes, as upstream's --hicache-size)")
     d.add_argument("--cp-hicache-max-slab-gb", type=float, default=480.0)
     d.set_defaults(fn=_cmd_doctor)
 

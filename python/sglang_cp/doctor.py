@@ -204,6 +204,10 @@ def hugetlbfs_mounts() -> list[str]:
 
 def check_hugepages(hugetlbfs_dir: Optional[str], hicache_size_gb: Optional[float],
                     max_slab_gb: float, required: bool) -> Iterable[Row]:
+    from sglang_cp.l2 import doctor_report
+    from sglang_cp.l2.errors import HugepageL2Error
+    from sglang_cp.l2.hugetlbfs import HugetlbfsMount
+
     mounts = hugetlbfs_mounts()
     if not mounts:
         yield Row(
@@ -214,21 +218,18 @@ def check_hugepages(hugetlbfs_dir: Optional[str], hicache_size_gb: Optional[floa
             "/dev/hugepages` to use --enable-cp-shared-physical-l2-hicache",
         )
     for m in mounts:
-        st = os.statvfs(m)
-        yield Row(
-            "hugepages",
-            m,
-            OK,
-            f"page {st.f_bsize >> 20} MiB, total {st.f_blocks}, free {st.f_bavail} "
-            f"({st.f_bavail * st.f_bsize / GiB:.1f} GiB)",
-        )
-    if required and hugetlbfs_dir and hugetlbfs_dir not in mounts:
-        yield Row("hugepages", hugetlbfs_dir, FAIL, "is not a hugetlbfs mount point")
-    try:
-        from sglang_cp.l2 import doctor_report  # issue #8: slab plan for a given size
-    except ImportError:
-        return
+        # statvfs reports 0 free on a mount without size=: count through sysfs (l2).
+        try:
+            cap = HugetlbfsMount.probe(m).capacity()
+            yield Row("hugepages", m, OK, f"hugetlbfs, {cap.total_pages} total / {cap.free_pages} free "
+                                          f"({cap.free_bytes / GiB:.1f} GiB; {cap.source})")
+        except HugepageL2Error as e:
+            yield Row("hugepages", m, WARN, str(e))
+    if not required and hugetlbfs_dir not in mounts:
+        return  # nothing asked for hugepages and the default dir is not mounted: no plan to show
     for area, item, status, detail in doctor_report(hugetlbfs_dir, hicache_size_gb, max_slab_gb):
+        if not required and status == FAIL:
+            status = WARN  # not asked for: informative only
         yield Row(area, item, status, detail)
 
 
