@@ -41,7 +41,7 @@ from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
 PAGE_TOKENS = 64
-console = Console(width=200)
+console = Console(width=230)
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
@@ -312,7 +312,12 @@ def main():
             gbps = {p: {k: [total / r[k] for r in res[p]] for k in ("write", "write+sync", "read")} for p in paths}
             med = {p: {k: statistics.median(v) for k, v in gbps[p].items()} for p in paths}
             for p in paths:
-                ratios = [f"{med[p]['write+sync'] / med['raw']['write+sync']:.2f}", f"{med[p]['read'] / med['raw']['read']:.2f}"]
+                # Ratios of medians, and the median of per-rep ratios against the raw run of the same rep
+                # (paired: both measured minutes apart at most, which cancels the disk's drift).
+                ratios = [f"{med[p]['write+sync'] / med['raw']['write+sync']:.2f}",
+                          f"{statistics.median(x / y for x, y in zip(gbps[p]['write+sync'], gbps['raw']['write+sync'])):.2f}",
+                          f"{med[p]['read'] / med['raw']['read']:.2f}",
+                          f"{statistics.median(x / y for x, y in zip(gbps[p]['read'], gbps['raw']['read'])):.2f}"]
                 if "hicache" in med:
                     ratios += [f"{med[p]['write+sync'] / med['hicache']['write+sync']:.2f}",
                                f"{med[p]['read'] / med['hicache']['read']:.2f}"]
@@ -328,8 +333,8 @@ def main():
 
     table = Table(title=f"L3 store vs raw O_DIRECT vs HiCacheFile: GB/s (1e9 B), median of {args.reps} (min-max), "
                         f"{args.gib:g} GiB per case, {args.threads} I/O threads")
-    for col in ("page B", "pages", "path", "write (no sync)", "durable write", "cold read", "W/raw", "R/raw",
-                "W/hicache", "R/hicache", "bytes ok", "cache dropped"):
+    for col in ("page B", "pages", "path", "write (no sync)", "durable write", "cold read", "W/raw", "W/raw paired",
+                "R/raw", "R/raw paired", "W/hicache", "R/hicache", "bytes ok", "cache dropped"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(*r)
@@ -341,6 +346,9 @@ def main():
                   "hicache = batch_set + syncfs. W ratios use durable write.")
     console.print(f"exists_prefix(2048 keys): median {ex * 1e3:.3f} ms; exists_prefix_multi(2 payloads, 2048 keys): "
                   f"median {ex_multi * 1e3:.3f} ms")
+    console.print("W/raw, R/raw: ratio of medians; 'paired': median over reps of (path / raw of the same rep).")
+    console.print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (the disk and CPUs "
+                  "are shared with other jobs)")
     console.print(f"benchmark wall time: {time.time() - t_start:.1f} s")
 
 

@@ -54,32 +54,24 @@ class DiskSlab:
             raise L3InvariantError(f"slab '{self.path}': slot {slot} overruns the slab ({self.num_slots} slots)")
         return slot * self.slot_bytes
 
-    def write_slot(self, slot: int, image: memoryview) -> None:
-        """Write one slot image (payload + header, `extent` bytes, aligned). Raises OSError on I/O faults."""
-        off = self._offset(slot)
-        if image.nbytes != self.extent:
-            raise L3InvariantError(f"slab '{self.path}': image of {image.nbytes} B, slot extent is {self.extent} B")
-        if self.fault_injector:
-            self.fault_injector("write", self, slot)
-        n = os.pwrite(self.fd, image, off)
-        if n != self.extent:
-            raise OSError(errno.EIO, f"short write {n}/{self.extent} B at slot {slot}")
+    def write_slot(self, slot: int, image: list[memoryview]) -> None:
+        self.write_slots(slot, [image])
 
-    def write_slots(self, first_slot: int, images: list[memoryview]) -> None:
-        """Write consecutive slots in one pwritev (slot_bytes == extent keeps them contiguous)."""
-        if len(images) == 1:
-            return self.write_slot(first_slot, images[0])
-        if self.slot_bytes != self.extent:
+    def write_slots(self, first_slot: int, images: list[list[memoryview]]) -> None:
+        """Write consecutive slots in one pwritev. Each image is the iovec list of one slot (payload +
+        header, `extent` bytes, every piece 4 KiB aligned); coalescing needs slot_bytes == extent."""
+        if len(images) > 1 and self.slot_bytes != self.extent:
             raise L3InvariantError(f"slab '{self.path}': coalesced write needs slot_bytes == extent")
         off = self._offset(first_slot)
         self._offset(first_slot + len(images) - 1)
         for k, img in enumerate(images):
-            if img.nbytes != self.extent:
-                raise L3InvariantError(f"slab '{self.path}': image of {img.nbytes} B, slot extent is {self.extent} B")
+            size = sum(v.nbytes for v in img)
+            if size != self.extent:
+                raise L3InvariantError(f"slab '{self.path}': image of {size} B, slot extent is {self.extent} B")
             if self.fault_injector:
                 self.fault_injector("write", self, first_slot + k)
         want = self.extent * len(images)
-        n = os.pwritev(self.fd, images, off)
+        n = os.pwritev(self.fd, [v for img in images for v in img], off)
         if n != want:
             raise OSError(errno.EIO, f"short write {n}/{want} B at slots {first_slot}+{len(images)}")
 

@@ -54,12 +54,31 @@ class PayloadPool:
 
     # -- slot I/O (I/O threads) ---------------------------------------------------------------------
 
-    def seal_image(self, image: memoryview, slot: int, digest: bytes, seq: int) -> memoryview:
-        """`image[:page_bytes]` already holds the payload; add CRC + header, return the slot image."""
+    def seal_image(self, image: memoryview, slot: int, digest: bytes, seq: int) -> list[memoryview]:
+        """`image[:page_bytes]` (staging) already holds the payload; add CRC + header: one iovec."""
         pcrc = crc32c(image[: self.page_bytes])
-        hdr = pack_header(BlobHeader(self.tag, self.rank, slot, self.page_bytes, digest, seq, pcrc))
-        image[self.page_bytes: self.page_bytes + HEADER_BYTES] = hdr
-        return image[: self.extent]
+        image[self.page_bytes: self.page_bytes + HEADER_BYTES] = self._header(slot, digest, seq, pcrc)
+        return [image[: self.extent]]
+
+    def seal_zero_copy(self, src: memoryview, tail: memoryview, slot: int, digest: bytes, seq: int) -> list[memoryview]:
+        """Write straight from the caller's 4 KiB-aligned page: iovecs [aligned part of src, tail block],
+        where the tail block carries the unaligned end of the payload and the header."""
+        pb, aligned = self.page_bytes, self.page_bytes // ALIGN * ALIGN
+        pcrc = crc32c(src)
+        cut = pb - aligned
+        tail[:cut] = src[aligned:]
+        tail[cut: cut + HEADER_BYTES] = self._header(slot, digest, seq, pcrc)
+        return [src[:aligned], tail[: self.extent - aligned]]
+
+    def can_zero_copy(self, src: memoryview) -> bool:
+        addr = address_of(src)
+        return self.page_bytes >= ALIGN and addr is not None and addr % ALIGN == 0
+
+    def tail_bytes(self) -> int:
+        return self.extent - self.page_bytes // ALIGN * ALIGN
+
+    def _header(self, slot: int, digest: bytes, seq: int, pcrc: int) -> bytes:
+        return pack_header(BlobHeader(self.tag, self.rank, slot, self.page_bytes, digest, seq, pcrc))
 
     def read_page(self, slot: int, digest: bytes, out: memoryview, bounce: BounceBuffers) -> BlobHeader:
         """Read + verify a slot into `out` (nbytes == page_bytes). Raises BlobError / OSError.

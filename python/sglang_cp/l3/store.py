@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from .acks import Ack, AckKind, OpState
-from .aligned import BounceBuffers, aligned_buffer
+from .aligned import BounceBuffers
 from .blob import BlobError, key_digest, write_extent
 from .config import L3Config
 from .disk_slab import DiskSlab, FaultInjector
@@ -32,6 +32,7 @@ from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_k
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start
+from .staging import Staging
 from .writer import WriteThread, WriteTask
 
 logger = logging.getLogger(__name__)
@@ -41,52 +42,11 @@ SLAB_SUBDIR = "sglang-cp-l3"
 # per-message overhead low, small enough that disk I/O starts while the caller is still copying.
 _MESSAGE_BYTES = 8 << 20
 
-COUNTERS = ("spill_pages", "spill_bytes", "write_dedup_pages", "write_already_durable", "write_errors",
+COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages", "write_already_durable", "write_errors",
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
             "header_errors", "foreign_blobs", "short_reads", "bad_pages_dropped", "gc_reclaimed",
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
             "deleted_pages", "pool_full")
-
-
-class _Staging:
-    """Bounded staging memory: `max_inflight_pages` tokens shared by all payloads (backpressure).
-
-    Each payload gets an arena of `limit` slot images, allocated and faulted in at open so the write
-    path never pays first-touch page faults (slow on VMs with free-page reporting)."""
-
-    def __init__(self, limit: int, extents: set[int]):
-        self._sem = threading.BoundedSemaphore(limit)
-        self._free: dict[int, list[memoryview]] = {}
-        self._arenas = []
-        for ext in extents:
-            arena = aligned_buffer(ext * limit, populate=True)
-            self._arenas.append(arena)
-            mv = memoryview(arena)
-            self._free[ext] = [mv[i * ext:(i + 1) * ext] for i in range(limit)]
-        self._lock = threading.Lock()
-        self.limit = limit
-        self.in_use = 0
-
-    def acquire(self, extent: int, blocking: bool = True) -> Optional[memoryview]:
-        if not self._sem.acquire(blocking):
-            return None
-        with self._lock:
-            self.in_use += 1
-            return self._free[extent].pop()
-
-    def release(self, extent: int, buf: memoryview) -> None:
-        with self._lock:
-            self.in_use -= 1
-            self._free[extent].append(buf)
-        self._sem.release()
-
-    def close(self) -> None:
-        self._free.clear()
-        for a in self._arenas:
-            try:
-                a.close()
-            except BufferError:
-                pass  # a view is still referenced somewhere; the GC unmaps it later
 
 
 class L3Store:
@@ -141,8 +101,11 @@ class L3Store:
             self._by_tag = {pool.tag: pool for pool in self._pools.values()}
             if len(self._by_tag) != len(self._pools):
                 raise L3StartupError("payloads: two payload names hash to the same tag; rename one")
-            self._cold_start = cold_start_result = None
-            cold_start_result = cold_start_fn(cold_start, self._index, rank, self._by_tag, config.io.threads)
+            try:
+                cold_start_result = cold_start_fn(cold_start, self._index, rank, self._by_tag, config.io.threads)
+            except (IndexFull, IndexUnavailable) as e:
+                raise L3StartupError(f"index.dir: the LMDB index failed during cold start '{cold_start}' ({e}); "
+                                     "check the disk under index.dir, or start with --cp-l3-cold-start clear") from None
         except BaseException:
             for pool in self._pools.values():
                 pool.slab.close()
@@ -152,7 +115,7 @@ class L3Store:
 
         self._gc = {p: WatermarkPolicy(config.gc.high_watermark, config.gc.low_watermark,
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
-        self._staging = _Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
+        self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
         self._read_slots = threading.BoundedSemaphore(max(config.io.max_inflight_pages, config.io.threads))
         self._bounce = BounceBuffers()
         self._op_ids = itertools.count(1)
@@ -173,7 +136,8 @@ class L3Store:
         """Stage pages (blocks only for backpressure) and return an op id; acks GATHERED then DURABLE."""
         return self._submit_write(payload, keys, pages, False).op_id
 
-    def _submit_write(self, payload: str, keys: list[bytes], pages: list, sync: bool) -> OpState:
+    def _submit_write(self, payload: str, keys: list[bytes], pages: list, sync: bool,
+                      zero_copy: bool = False) -> OpState:
         op = self._new_op(keys, sync)
         pool = self._pool(payload)
         if len(pages) != len(keys):
@@ -203,6 +167,27 @@ class L3Store:
                     self._counters["write_already_durable"] += 1
                 self._emit(op, i, AckKind.GATHERED, True)
                 self._finish(op, i, AckKind.DURABLE, True)
+                continue
+            if zero_copy and pool.can_zero_copy(view):
+                # The sync caller waits for DURABLE anyway: write from its memory, no staging copy.
+                task = WriteTask(pool, ikey, digests[i], self._staging.tail(pool.tail_bytes()), [(op, i)],
+                                 src=view, guard=op)
+                with self._lock:
+                    other = self._inflight.get(ikey)
+                    if other is not None:
+                        other.waiters.append((op, i))
+                        self._counters["write_dedup_pages"] += 1
+                    else:
+                        self._inflight[ikey] = task
+                if other is not None:
+                    self._staging.release_tail(task.buf)
+                    continue
+                self._count("zero_copy_pages")
+                batch.append(task)
+                batch_bytes += pool.page_bytes
+                if batch_bytes >= _MESSAGE_BYTES:
+                    self._q.put(("write", batch))
+                    batch, batch_bytes = [], 0
                 continue
             buf = self._staging.acquire(pool.extent, blocking=False)
             if buf is None:
@@ -249,8 +234,9 @@ class L3Store:
         return out
 
     def write_pages(self, payload: str, keys: list[bytes], pages: list, timeout: Optional[float] = None) -> list[bool]:
-        op = self._submit_write(payload, keys, pages, True)
-        op.done.wait(timeout)
+        op = self._submit_write(payload, keys, pages, True, zero_copy=True)
+        if not op.done.wait(timeout):
+            op.cancel_and_quiesce()  # no I/O may read the caller's pages after we return
         self._raise_fatal()
         return op.final()
 

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from .acks import AckKind
+from .acks import AckKind, OpState
 from .errors import L3InvariantError
 from .index import IndexEntry, IndexFull, IndexUnavailable
 from .payload_pool import PayloadPool
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 # A coalesced write covers consecutive slots up to this many bytes (one pwritev).
 _MAX_IO_BYTES = 1 << 20
+# While writes are still in flight (and nobody waits for staging), a group commits at this size.
+_GROUP_BYTES = 256 << 20
 
 
 @dataclass(eq=False)
@@ -32,8 +34,10 @@ class WriteTask:
     pool: PayloadPool
     ikey: bytes
     digest: bytes
-    buf: memoryview
+    buf: memoryview                               # staging slot image, or the tail block if zero-copy
     waiters: list = field(default_factory=list)  # [(OpState, index_in_op)]
+    src: Optional[memoryview] = None             # zero-copy: the sync caller's own page
+    guard: Optional[OpState] = None              # the op whose caller memory `src` is
     slot: int = -1
     seq: int = 0
     error: Optional[str] = None
@@ -100,7 +104,7 @@ class WriteThread:
             self._gc()
             if not self.barriers:
                 self._dispatch()
-            if not self.committing and (self.completed or (msg is None and self.dirty_touch)):
+            if not self.committing and (self._group_ready() or (msg is None and self.dirty_touch)):
                 self._start_commit()
             while self.barriers and not (self.io_pending or self.completed or self.committing):
                 m = self.barriers.popleft()
@@ -164,33 +168,60 @@ class WriteThread:
     def _io_write(self, run: list[WriteTask]) -> None:
         s = self.s
         pool = run[0].pool
+        reading = []  # zero-copy tasks currently reading their caller's memory
         try:
-            images = [pool.seal_image(t.buf, t.slot, t.digest, t.seq) for t in run]
+            for t in run:
+                if t.src is not None:
+                    if t.guard.begin_io():
+                        reading.append(t)
+                    else:
+                        t.error = "cancelled"  # the caller timed out; its memory is off limits
+            live = [t for t in run if t.error is None]
+            images = [pool.seal_zero_copy(t.src, t.buf, t.slot, t.digest, t.seq) if t.src is not None
+                      else pool.seal_image(t.buf, t.slot, t.digest, t.seq) for t in live]
             try:
-                pool.slab.write_slots(run[0].slot, images)
+                if len(live) == len(run):
+                    pool.slab.write_slots(run[0].slot, images)
+                else:
+                    raise OSError(0, "run has holes")
             except OSError:
-                if len(run) == 1:
+                if len(live) == 1 and len(run) == 1:
                     raise
                 # One bad sector must not fail its neighbours: retry page by page.
-                for t, img in zip(run, images):
+                for t, img in zip(live, images):
                     try:
                         pool.slab.write_slot(t.slot, img)
                     except OSError as err:
                         self._write_failed(pool, [t], err)
         except OSError as err:
-            self._write_failed(pool, run, err)
+            self._write_failed(pool, [t for t in run if t.error is None], err)
         except BaseException as err:  # our bug: fail these pages, then fail loud on the next call
             for t in run:
                 t.error = repr(err)
             s._set_fatal(err)
+        finally:
+            for t in reading:
+                t.guard.end_io()
         s._q.put(("io_done", run))
 
     def _write_failed(self, pool: PayloadPool, run: list[WriteTask], err: OSError) -> None:
+        if not run:
+            return
         code = errno.errorcode.get(err.errno, str(err.errno))
         for t in run:
             t.error = f"errno {code}"
         self.s._fault("write_errors", f"write-{code}", "L3 write of %s slots %d..%d failed: %s",
                       pool.name, run[0].slot, run[-1].slot, err)
+
+    def _group_ready(self) -> bool:
+        """Every commit costs device cache flushes (fdatasync + LMDB), so commit as rarely as waiting
+        callers allow: when no write is in flight, when staging is exhausted (submitters are blocked on
+        the tokens this commit frees), or when a large amount of data waits (bounds ack latency)."""
+        if not self.completed:
+            return False
+        if self.io_pending == 0 or self.s._staging.in_use >= self.s._staging.limit:
+            return True
+        return sum(t.pool.page_bytes for t in self.completed) >= _GROUP_BYTES
 
     def _start_commit(self) -> None:
         group, self.completed = self.completed, []
@@ -264,7 +295,10 @@ class WriteThread:
             if s._inflight.get(t.ikey) is t:
                 del s._inflight[t.ikey]
             waiters = list(t.waiters)
-        s._staging.release(t.pool.extent, t.buf)
+        if t.src is not None:
+            s._staging.release_tail(t.buf)
+        else:
+            s._staging.release(t.pool.extent, t.buf)
         for op, i in waiters:
             s._finish(op, i, AckKind.DURABLE, ok)
 

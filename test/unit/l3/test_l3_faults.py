@@ -123,7 +123,7 @@ def test_invariant_violation_is_loud(make_store):
     pool = s._pools["kv"]
     from sglang_cp.l3.errors import L3InvariantError
     with pytest.raises(L3InvariantError, match="overruns"):
-        pool.slab.write_slot(pool.slab.num_slots, memoryview(bytearray(pool.extent)))
+        pool.slab.write_slot(pool.slab.num_slots, [memoryview(bytearray(pool.extent))])
     used = next(iter(pool.owner))
     with pytest.raises(L3InvariantError, match="double free"):
         pool.slots.free_slot(used) or pool.slots.free_slot(used)
