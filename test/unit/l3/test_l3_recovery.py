@@ -135,3 +135,21 @@ def test_unknown_cold_start_mode_fails_loud(make_store):
     s.close()
     with pytest.raises(ValueError, match="--cp-l3-cold-start"):
         reopen(make_store.root, "keep")
+
+
+def test_vanished_slab_files_are_misses_after_restart(make_store):
+    s = make_store(payloads={"kv": P, "ix": 4096})
+    assert all(s.write_pages("kv", keys(10), [page(i) for i in range(10)]))
+    assert all(s.write_pages("ix", keys(10), [page(i, 4096) for i in range(10)]))
+    kv_path = slab_path(s, "kv")
+    s.close()
+    os.unlink(kv_path)  # the disk (or the file) is gone; the index still names its slots
+    t = reopen(make_store.root, "load", payloads={"kv": P, "ix": 4096})
+    try:
+        cs = t.stats()["cold_start"]
+        assert cs["live"] == 10 and cs["dropped"] == 10, cs
+        assert t.read_pages("kv", keys(10), [np.zeros(P, np.uint8) for _ in range(10)]) == [False] * 10
+        assert t.read_pages("ix", keys(10), [np.zeros(4096, np.uint8) for _ in range(10)]) == [True] * 10
+        assert all(t.write_pages("kv", keys(10), [page(i) for i in range(10)]))
+    finally:
+        t.close()

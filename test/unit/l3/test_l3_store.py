@@ -174,12 +174,35 @@ def test_gc_lru_watermarks_and_touch(make_store):
 def test_gc_bounded_work_per_iteration(make_store):
     cap = 100 * write_extent(P) / 1e9
     s = make_store(capacity_gb=cap, gc={"max_reclaim_per_iter": 3})
-    assert all(s.write_pages("kv", keys(95), [page(i) for i in range(95)]))
-    # Above 0.90 now; each write-thread iteration may reclaim at most 3 pages.
-    before = s.stats()["counters"]["gc_reclaimed"]
-    assert all(s.write_pages("kv", [b"x"], [page(0)]))
-    after = s.stats()["counters"]["gc_reclaimed"]
-    assert 0 < after - before <= 3 * 3  # a handful of iterations ran, each bounded
+    batches = []
+    real = s._index.commit
+
+    def commit(puts=(), deletes=(), touches=()):
+        deletes = list(deletes)
+        if deletes:
+            batches.append(len(deletes))
+        return real(puts=puts, deletes=deletes, touches=touches)
+    s._index.commit = commit
+    for lo in range(0, 95, 5):
+        assert all(s.write_pages("kv", keys(5, b"g%d-" % lo), [page(lo + i) for i in range(5)]))
+    for _ in range(10):  # a few more write-thread iterations let GC finish its hysteresis
+        s.write_pages("kv", [b"tick"], [page(1)])
+        s.delete("kv", [b"tick"])
+    st = s.stats()
+    assert st["counters"]["gc_reclaimed"] >= 95 - 85
+    assert st["occupancy"]["kv"]["used"] <= 85, "GC reclaims down to the low watermark"
+    gc_batches = batches[: len(batches) - 10]  # the 10 explicit deletes are 1-page batches
+    assert gc_batches and max(gc_batches) <= 3, f"a GC iteration reclaimed more than its budget: {gc_batches}"
+
+
+def test_watermark_policy_hysteresis():
+    from sglang_cp.l3.gc import WatermarkPolicy
+    w = WatermarkPolicy(0.90, 0.85, 4)
+    assert w.to_reclaim(90, 100) == 0            # at the high mark: not above it
+    assert w.to_reclaim(91, 100) == 4            # above: start, bounded by the budget
+    assert w.to_reclaim(87, 100) == 2            # still active below high, down to low
+    assert w.to_reclaim(85, 100) == 0 and not w.active
+    assert w.to_reclaim(88, 100) == 0            # between the marks and not active: nothing
 
 
 def test_bad_input_is_a_clear_error(make_store):
