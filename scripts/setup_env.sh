@@ -51,7 +51,12 @@ step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
   fi
   local s=$SECONDS
   echo "[setup] $label: installing"
-  "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true
+  # sglang was installed with --no-deps on purpose (its CUDA-only requirements do not
+  # install here), so pip's resolver report about them is expected: keep it out of the log.
+  "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+    | grep -v -e "is ignored: it is neither" -e "^sglang 0.5.23 requires " \
+              -e "^ERROR: pip's dependency resolver does not currently take into account" \
+              -e "^This behaviour is the source of the following dependency conflicts" || true
   [ -z "$(missing "${reqs[@]}")" ] || { echo "[setup] $label: FAILED to install: $(missing "${reqs[@]}")"; exit 1; }
   echo "[setup] $label: done in $((SECONDS - s)) s"
 }
@@ -68,6 +73,11 @@ step "sglang's pure-Python imports" --constraint="$CONSTRAINTS" \
   uvicorn==0.54.0 fastapi==0.165.0 jsonschema==4.26.0 xgrammar==0.2.7 \
   soundfile==0.13.1 python-multipart==0.0.34 pytest==9.2.0 lmdb==3.0.0 \
   prometheus_client==0.26.0 rich==15.0.0 crc32c==2.9.post0 hypothesis==6.155.2
+# cachebench's PNG plot (matplotlib pulls contourpy, cycler, fonttools, kiwisolver,
+# pyparsing, python-dateutil; dateutil < 3 because sglang 0.5.23 declares that bound).
+step "matplotlib (cachebench plot)" --constraint="$CONSTRAINTS" \
+  matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
+  pyparsing==3.3.3 python-dateutil==2.9.0.post0 six==1.17.0
 
 # The project itself (editable). Re-installed only when pyproject.toml changed, so the
 # entry points (plugin group, console script) always match the checked-out metadata.
