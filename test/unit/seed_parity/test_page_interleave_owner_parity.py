@@ -186,3 +186,65 @@ def test_evicting_any_cached_chain_frees_every_owner_class_evenly(shard_size):
         gained = [a - b for a, b in zip(device.class_free_page_counts(), before)]
         assert sum(gained) == len(victim) // PS
         assert max(gained) - min(gained) <= 1
+
+
+@pytest.fixture
+def python_tree_core(monkeypatch):
+    # KV sharding runs on the Python UnifiedTreeCore (upstream forces it).
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+
+
+@pytest.mark.parametrize("shard_size", [2, 4])
+def test_upstream_lru_eviction_reaches_the_min_class_target(python_tree_core, shard_size):
+    """The load-back path's real eviction (UnifiedRadixCache.evict_for_alloc on a
+    radix tree of cyclic chains over the real sharded allocator) walks LRU until
+    the MIN-class availability covers the request; after that an owner-preserving
+    load of that size fits at every rotation. This is the job the seed's
+    owner-lane planner did by hand."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.runtime_context import get_context
+
+    rng = np.random.default_rng(shard_size)
+    evicted_cases = 0
+    with get_context().override_server_args():
+        for _ in range(25):
+            allocator = _device_allocator(shard_size, pages_per_rank=32)
+            cache = UnifiedRadixCache(
+                CacheInitParams(
+                    disable=False,
+                    req_to_token_pool=ReqToTokenPool(8, 4096, "cpu", False),
+                    token_to_kv_pool_allocator=allocator,
+                    page_size=PS,
+                    tree_components=(ComponentType.FULL,),
+                )
+            )
+            next_token = 0
+            for _ in range(200):  # fill until a chain no longer fits
+                n_pages, base = int(rng.integers(1, 8)), int(rng.integers(shard_size))
+                value = allocator.alloc_cyclic(start_class=base, need_size=n_pages * PS)
+                if value is None:
+                    break
+                key = RadixKey(list(range(next_token, next_token + n_pages * PS)))
+                next_token += 100_000  # disjoint chains: every one is a leaf
+                res = cache.insert(InsertParams(key=key, value=value, rotation_base=base))
+                cache._apply_cache_actions(res.cache_actions)
+            need_pages = int(rng.integers(1, 6 * shard_size))
+            need = need_pages * PS
+            if allocator.available_size() >= need:
+                continue
+            target = allocator.available_size() + need
+            cache.evict_for_alloc(EvictParams(num_tokens=need))
+            evicted_cases += 1
+            if cache.full_evictable_size() > 0:  # not exhausted: target reached
+                assert allocator.available_size() >= target
+            if allocator.available_size() >= need:
+                for start in range(shard_size):
+                    got = allocator.alloc_cyclic(start_class=start, need_size=need)
+                    assert got is not None
+                    allocator.free(got)
+    assert evicted_cases >= 20
