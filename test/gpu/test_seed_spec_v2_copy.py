@@ -56,3 +56,15 @@ def test_grouped_small_copy_on_cuda_matches_per_tensor_copy():
     torch.cuda.synchronize()
     for d, s in zip(dsts, srcs):
         assert torch.equal(d.cpu(), s.cpu().to(d.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_draft_extend_inputs_kernel_on_cuda(dtype):
+    """002#12/#13 on the compiled Triton kernel: strided select_index, int64 ids."""
+    from sglang.kernels.ops.speculative.eagle import prepare_draft_extend_inputs
+
+    accept = torch.tensor([1, 3, 2, 4], dtype=torch.int32, device="cuda")
+    predict = (torch.arange(16, device="cuda") + 1000).to(dtype)
+    correct, select, ids = prepare_draft_extend_inputs(accept, predict, 4)
+    assert select.tolist() == [0, 6, 9, 15] and correct.tolist() == [0, 2, 1, 3]
+    assert ids.dtype == torch.int64 and ids.tolist() == predict.tolist()
