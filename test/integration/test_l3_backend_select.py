@@ -1,0 +1,64 @@
+"""--enable-cp-l3 selects our store, and lifts upstream's sharding refusal for ours only.
+
+Upstream's ``handle_kv_cache_sharding`` step refuses any storage backend before it needs
+a model config, so the refusal itself can run with the dummy model: we run the real
+resolution step (with the plugin's wrappers) after ``resolve_once``'s dummy short circuit.
+"""
+
+import textwrap
+
+import pytest
+
+from conftest import run_py
+
+CODE = textwrap.dedent(
+    """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.arg_groups.resolution_hooks import run_hook
+    from sglang.srt.arg_groups.kv_shard_hook import handle_kv_cache_sharding
+    from sglang.srt.arg_groups.overrides import resolving_view
+    argv = ["--model-path", "dummy", "--device", "cpu", "--enable-hierarchical-cache",
+            "--enable-kv-cache-sharding", "--disaggregation-mode", "prefill"] + json.loads(sys.argv[1])
+    sa = prepare_server_args(argv)
+    sa.resolve_once()
+    try:
+        run_hook(handle_kv_cache_sharding, sa)
+        print("STEP passed")
+    except Exception as e:
+        print("STEP", type(e).__name__, str(e).replace("\\n", " ")[:300])
+    cfg = resolving_view(sa)
+    print("BACKEND", cfg.hicache_storage_backend, cfg.hicache_storage_backend_extra_config)
+    """
+)
+REFUSAL = "not --hicache-storage-backend yet"
+
+
+def run_step(extra):
+    import json
+
+    p = run_py(f"import sys; sys.argv=['x', {json.dumps(json.dumps(extra))}]\n" + CODE,
+               env_extra={"HF_HUB_OFFLINE": "1"})
+    lines = {ln.split(" ", 1)[0]: ln for ln in p.stdout.splitlines() if ln.startswith(("STEP", "BACKEND"))}
+    assert "STEP" in lines, p.stdout + p.stderr
+    return lines["STEP"], lines["BACKEND"]
+
+
+def test_upstream_still_refuses_other_backends_under_sharding():
+    step, backend = run_step(["--hicache-storage-backend", "file"])
+    assert REFUSAL in step
+    assert backend.startswith("BACKEND file")
+
+
+def test_our_backend_is_selected_and_passes_the_sharding_refusal(disk_tmp):
+    from sglang_cp.cli import write_demo_config
+
+    cfg = write_demo_config(str(disk_tmp / "l3"))
+    step, backend = run_step(["--enable-cp-l3", "--cp-l3-config", cfg])
+    # Past the refusal, upstream's next check needs the model's config (dummy has none):
+    # the point is that the storage refusal did not fire.
+    assert REFUSAL not in step
+    assert backend.startswith("BACKEND dynamic") and '"backend_name": "sglang_cp_l3"' in backend
+    assert '"interface_v1": 1' in backend and cfg in backend
