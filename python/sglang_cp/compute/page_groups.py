@@ -86,10 +86,43 @@ def validation_mode() -> str:
     return mode
 
 
+class _RecentlyValid:
+    """The last few index tensors that passed, held by weak reference.
+
+    Layer-wise transfers hand the SAME index tensor to the page-id derivation
+    once per layer (78 times for GLM-5); validating it once per transfer is
+    enough. A tensor is skipped only while it is the very same live object at
+    the same in-place version (``_version`` bumps on every in-place write), so a
+    reused or modified tensor is always checked again.
+    """
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self.entries: list[tuple] = []
+
+    def seen(self, t: torch.Tensor, page_size: int) -> bool:
+        for ref, version, ps in self.entries:
+            if ref() is t and version == t._version and ps == page_size:
+                return True
+        return False
+
+    def add(self, t: torch.Tensor, page_size: int) -> None:
+        import weakref
+
+        self.entries.append((weakref.ref(t), t._version, page_size))
+        del self.entries[: -self.capacity]
+
+
+_recent = _RecentlyValid()
+
+
 def check(indices, page_size: int, *, name: str, mode: str) -> None:
     """Validate ``indices`` if ``mode`` covers the device it lives on."""
     if mode == "0" or indices is None:
         return
     if mode == "host" and indices.device.type != "cpu":
         return
+    if _recent.seen(indices, page_size):
+        return
     validate_page_aligned_token_indices(indices, page_size, name=name)
+    _recent.add(indices, page_size)

@@ -109,3 +109,28 @@ def test_shape_growth_total():
     assert "bs=8" in g.add("bs=8", 3 << 20)
     g.add("bs=4", 1 << 20)
     assert g.total_line().endswith("2 shapes: pool +4.00 MB")
+
+
+def test_layerwise_reuse_validates_once_but_rechecks_after_in_place_change(monkeypatch):
+    import sglang_cp.compute.page_groups as pg
+
+    calls = []
+    real = pg.validate_page_aligned_token_indices
+
+    def counting(indices, page_size, *, name="indices"):
+        calls.append(name)
+        return real(indices, page_size, name=name)
+
+    monkeypatch.setattr(pg, "validate_page_aligned_token_indices", counting)
+    monkeypatch.setattr(pg, "_recent", pg._RecentlyValid())
+    idx = torch.arange(64, 128)
+    for _layer in range(78):
+        pg.check(idx, 64, name="host_indices", mode="host")
+    assert len(calls) == 1
+    idx[0] = 3  # in-place write: same object, new version -> checked again, and caught
+    with pytest.raises(PageGroupError):
+        pg.check(idx, 64, name="host_indices", mode="host")
+    assert len(calls) == 2
+    other = torch.arange(64, 128)  # equal content, different object -> checked
+    pg.check(other, 64, name="host_indices", mode="host")
+    assert len(calls) == 3
