@@ -93,7 +93,9 @@ class _RecentlyValid:
     once per layer (78 times for GLM-5); validating it once per transfer is
     enough. A tensor is skipped only while it is the very same live object at
     the same in-place version (``_version`` bumps on every in-place write), so a
-    reused or modified tensor is always checked again.
+    reused or modified tensor is always checked again. Transfer threads share it
+    without a lock: a racing append/trim can only drop an entry, which costs one
+    extra check, never a skipped one.
     """
 
     def __init__(self, capacity: int = 8):
