@@ -122,6 +122,8 @@ def check(indices, page_size: int, *, name: str, mode: str) -> None:
     """Validate ``indices`` if ``mode`` covers the device it lives on."""
     if mode == "0" or indices is None:
         return
+    if not isinstance(indices, torch.Tensor):
+        indices = torch.as_tensor(indices)  # some backends pass plain lists
     if mode == "host" and indices.device.type != "cpu":
         return
     if _recent.seen(indices, page_size):

@@ -134,3 +134,9 @@ def test_layerwise_reuse_validates_once_but_rechecks_after_in_place_change(monke
     other = torch.arange(64, 128)  # equal content, different object -> checked
     pg.check(other, 64, name="host_indices", mode="host")
     assert len(calls) == 3
+
+
+def test_plain_list_indices_are_checked_too():
+    check([0, 1, 2, 3], 4, name="indices", mode="host")
+    with pytest.raises(PageGroupError, match="indices page group 0 starts at token index 1"):
+        check([1, 2, 3, 4], 4, name="indices", mode="host")
