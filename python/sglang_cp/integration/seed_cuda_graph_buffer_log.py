@@ -84,8 +84,11 @@ def capture_around(original, self, *args, **kwargs):
     if not _enabled():
         return original(self, *args, **kwargs)
     family = family_of(self)
-    rows = _ledger.table(family, getattr(self, "buffers", None))
-    logger.info("%s", format_buffer_table(family, rows))
+    try:
+        rows = _ledger.table(family, getattr(self, "buffers", None))
+        logger.info("%s", format_buffer_table(family, rows))
+    except Exception:  # a debug aid must never stop a capture
+        logger.warning("[cg-buffers] %s: buffer table failed", family, exc_info=True)
     growth = _growth.setdefault(id(self), ShapeGrowth(family))
     try:
         return original(self, *args, **kwargs)
