@@ -4,8 +4,12 @@ Subcommands:
   doctor       can this machine run what was asked for (table; exit 1 on a blocker)
   check-args   parse and validate a launch_server command line through SGLang's own
                parser with the plugin loaded, without starting a server
-  demo         the README's main job until cachebench lands: a local L3 config, doctor
-               on it, and launch_server's parser accepting it and rejecting a bad one
+  demo         a local L3 config, doctor on it, and launch_server's parser accepting it
+               and rejecting a bad one
+  cachebench   the README's main job: CP ranks with upstream's HiCache and our L3
+               through warm-up, L2 pressure, reload and a full restart (table/JSON/PNG)
+  l3 stats     occupancy per rank/disk/payload of an L3 directory (no server needed)
+  l3 fsck      check (and --repair) slab headers against the index; exit 0/1/2/3
 """
 
 from __future__ import annotations
@@ -126,6 +130,116 @@ def _cmd_demo(ns) -> int:
     return rc
 
 
+def _cmd_cachebench(ns) -> int:
+    from sglang_cp.cachebench.runner import run
+
+    return run(ns)
+
+
+def _load_l3_config_or_exit(path, console):
+    from sglang_cp.l3 import L3ConfigError, load_l3_config
+
+    try:
+        return load_l3_config(path)
+    except L3ConfigError as e:
+        console.print(f"[bold red]config error[/]: {e}")
+        return None
+
+
+def _cmd_l3_stats(ns) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from sglang_cp.l3 import occupancy
+
+    console = Console()
+    cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)
+    if cfg is None:
+        return 2
+    st = occupancy.collect(cfg)
+    if ns.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    t = Table(title=f"L3 occupancy ({ns.cp_l3_config}); GC high {st['gc']['high_watermark']:.2f} / "
+                    f"low {st['gc']['low_watermark']:.2f}")
+    for col in ("rank", "disk", "payload", "slot B", "used / slots", "used", "payload GB", "coldest page",
+                "GC"):
+        t.add_column(col, justify="left" if col == "GC" else "right")
+    for r in st["slabs"]:
+        age = "-" if r["coldest_age_s"] is None else f"{r['coldest_age_s']:.0f} s ago"
+        t.add_row(str(r["rank"]), r["disk"], r["payload"], str(r["slot_bytes"]), f"{r['used']} / {r['slots']}",
+                  f"{r['fraction']:.1%}", f"{r['payload_bytes'] / 1e9:.3f}", age, r["gc"])
+    console.print(t)
+    ix = st["index"]
+    if ix is None:
+        console.print(f"index: none at {cfg.index.dir} (no server has written here yet)")
+    else:
+        console.print(f"index: {ix['entries']} entries, {ix['used_bytes'] / 1e6:.1f} MB used of a "
+                      f"{ix['map_size'] / 1e9:.2f} GB map (max {ix['max_map_size'] / 1e9:.2f} GB); "
+                      f"{st['unmatched_entries']} entries name no current slab slot (see `sglang-cp l3 fsck`)")
+    console.print("last cold start: not recorded on disk (the server logs it; L3Store.stats()['cold_start'])")
+    return 0
+
+
+FSCK_CLEAN, FSCK_PROBLEMS, FSCK_USAGE, FSCK_REPAIRED = 0, 1, 2, 3
+
+
+def _cmd_l3_fsck(ns) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from sglang_cp.l3 import fsck
+
+    console = Console()
+    cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)
+    if cfg is None:
+        return FSCK_USAGE
+    users = fsck.live_users(cfg)
+    if users and ns.repair:
+        console.print("[bold red]refusing --repair[/]: the L3 directory is in use by "
+                      + "; ".join(f"pid {p} ({c})" for p, c in users)
+                      + ". Stop the server (or those processes) and run it again.")
+        return FSCK_USAGE
+    if users:
+        console.print("[yellow]warning[/]: in use by pid(s) " + ", ".join(str(p) for p, _ in users)
+                      + "; a live writer can make this report inconsistent")
+    rep = fsck.check(cfg)
+    counts = rep.counts()
+    if ns.repair and (rep.problems() or counts["orphan"]):
+        fsck.repair(cfg, rep)
+    if ns.json:
+        print(json.dumps({"entries": rep.entries, "live": rep.live, "slabs": len(rep.slabs),
+                          "counts": dict(counts), "repaired": dict(rep.repaired),
+                          "repair_failed": rep.repair_failed, "cleared_after_delete": rep.cleared_after_delete,
+                          "findings": [{"kind": f.kind, "slab": f.slab, "slot": f.slot, "rank": f.rank,
+                                        "detail": f.detail} for f in rep.findings[:1000]]}, indent=1))
+    else:
+        t = Table(title=f"L3 fsck ({ns.cp_l3_config}): {len(rep.slabs)} slab files, {rep.entries} index "
+                        f"entries, {rep.live} live")
+        for col in ("finding", "count", "repaired", "meaning"):
+            t.add_column(col)
+        meaning = {"dangling": "index entry without its blob (no slab/slot, or the slot holds another)",
+                   "crc": "payload CRC mismatch", "cross_rank": "slot holds, or is claimed by, another rank",
+                   "collision": "two entries of one rank claim one slot",
+                   "orphan": "valid blob no entry references (inert; informational)"}
+        for kind in (*fsck.PROBLEMS, "orphan"):
+            t.add_row(kind, str(counts[kind]), str(rep.repaired[kind]) if ns.repair else "-", meaning[kind])
+        console.print(t)
+        if rep.cleared_after_delete:
+            console.print(f"cleared the headers of {rep.cleared_after_delete} slot(s) whose entries were deleted")
+        for f in [f for f in rep.findings if f.kind != "orphan"][:20]:
+            console.print(f"  {f.kind}: rank {f.rank} slot {f.slot} {f.slab or ''}: {f.detail}")
+    if rep.problems() == 0:
+        return FSCK_REPAIRED if rep.repaired else FSCK_CLEAN
+    if ns.repair and rep.repair_failed == 0:
+        return FSCK_REPAIRED
+    return FSCK_PROBLEMS
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sglang-cp", description=textwrap.dedent(__doc__))
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -146,6 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="doctor + parser demonstration on a local L3 config")
     m.add_argument("--out-dir", default="out/demo")
     m.set_defaults(fn=_cmd_demo)
+
+    from sglang_cp.cachebench.runner import add_arguments as _cachebench_args
+
+    b = sub.add_parser("cachebench", help="CP ranks + upstream HiCache + our L3 through warm-up, "
+                       "L2 pressure, reload and a restart; table, JSON and PNG")
+    _cachebench_args(b)
+    b.set_defaults(fn=_cmd_cachebench)
+
+    l3 = sub.add_parser("l3", help="offline L3 tools: stats, fsck [--repair]")
+    l3sub = l3.add_subparsers(dest="l3_cmd", required=True)
+    st = l3sub.add_parser("stats", help="occupancy per rank/disk/payload, GC state, last cold start")
+    st.add_argument("--cp-l3-config", required=True)
+    st.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    st.set_defaults(fn=_cmd_l3_stats)
+    fk = l3sub.add_parser("fsck", help="scan slab headers and the index; exit 0 clean, 1 problems, "
+                          "2 usage/config error, 3 repaired")
+    fk.add_argument("--cp-l3-config", required=True)
+    fk.add_argument("--repair", action="store_true",
+                    help="drop dangling/bad index entries and clear orphaned slot headers")
+    fk.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    fk.set_defaults(fn=_cmd_l3_fsck)
     return p
 
 

@@ -312,7 +312,15 @@ def run_ranks(world, target, args=(), timeout=240, on_event=None):
                 continue
             rank, res = msg
             results[rank] = res
+            if "error" in res:
+                # The other ranks are now blocked in a collective this one will never enter:
+                # report the failure now instead of after the timeout.
+                break
     finally:
+        if len(results) < world:  # a failure or a hang: nobody is coming back
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():

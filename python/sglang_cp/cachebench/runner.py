@@ -1,0 +1,150 @@
+"""``sglang-cp cachebench``: phases, rank processes, progress bars, results.
+
+Phases (same workload, same L3 directory):
+  warm-up   the first fifth of the request stream, caches empty;
+  pressure  the rest of the stream: the working set is several times the host pool (L2),
+            so prefixes are evicted from L2 and come back from L3 or are recomputed;
+  reload    the whole stream again in the same processes;
+  restart   every rank process exits; new ones start with ``--cp-l3-cold-start load``
+            (L2 empty) and replay the whole stream once more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+
+from sglang_cp.integration.cp_testbed import PAGE, run_ranks
+
+from . import rawdisk, report
+from .rank_program import run_phases
+from .workload import TraceError, WorkloadSpec, generate, read_trace, unique_pages
+
+KV_ROW_BYTES = (512 + 64) * 2  # GLM-5 MLA latent + rope, bf16, per token per layer
+INDEXER_ROW_BYTES, DRAFT_ROW_BYTES = 132, 656
+
+QUICK = dict(system_prompts=2, system_tokens=512, documents=12, doc_tokens_min=512, doc_tokens_max=1536,
+             sessions=16, turns=3, turn_tokens=256, layers=8)
+DEFAULT = dict(system_prompts=4, system_tokens=1024, documents=24, doc_tokens_min=1024, doc_tokens_max=3072,
+               sessions=40, turns=3, turn_tokens=256, layers=16)
+_SPEC_FIELDS = ("system_prompts", "system_tokens", "documents", "doc_tokens_min", "doc_tokens_max",
+                "sessions", "turns", "turn_tokens")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cp-size", type=int, default=2, help="CP ranks (processes joined by gloo); >1 shards KV")
+    p.add_argument("--quick", action="store_true", help="smaller workload (about a minute on 2 cores)")
+    p.add_argument("--out-dir", default="out/cachebench", help="results, plot, and the L3 directory")
+    p.add_argument("--trace", default=None, help="replay this JSONL trace instead of the synthetic workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zipf-s", type=float, default=1.1, help="Zipf exponent of document popularity")
+    for f in _SPEC_FIELDS:
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=None,
+                       help=f"default {DEFAULT[f]} ({QUICK[f]} with --quick)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"MLA layers per page (GLM-5 has 78; default {DEFAULT['layers']}, {QUICK['layers']} quick)")
+    p.add_argument("--l2-pages", type=int, default=None,
+                   help="host pool (L2) capacity in 64-token pages; default a quarter of the working set")
+    p.add_argument("--no-sidecars", action="store_true",
+                   help="target KV only (default: with the DSA indexer-K and MTP draft KV payloads)")
+    p.add_argument("--raw-mb", type=int, default=None, help="size of the raw O_DIRECT probe (MB)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds before ranks count as hung")
+
+
+def _page_bytes(layers: int, sidecars: bool) -> int:
+    b = PAGE * KV_ROW_BYTES * layers
+    if sidecars:
+        b += PAGE * INDEXER_ROW_BYTES * layers + PAGE * DRAFT_ROW_BYTES
+    return b
+
+
+def _l3_config(root: str, need_bytes: int) -> str:
+    from sglang_cp.cli import write_demo_config
+
+    shutil.rmtree(root, ignore_errors=True)
+    cfg = write_demo_config(root)
+    cap = max(1.0, 2 * need_bytes / 1e9 + 0.2)  # room for the working set below GC's watermark
+    with open(cfg) as f:
+        text = f.read().replace("capacity_gb = 1.0", f"capacity_gb = {cap:.2f}")
+    with open(cfg, "w") as f:
+        f.write(text)
+    return cfg
+
+
+def run(ns) -> int:
+    from rich.console import Console
+
+    console = Console()
+    sizes = QUICK if ns.quick else DEFAULT
+    try:
+        if ns.cp_size < 1:
+            raise ValueError(f"--cp-size: must be >= 1, got {ns.cp_size}")
+        layers = ns.layers or sizes["layers"]
+        if layers < 1:
+            raise ValueError(f"--layers: must be >= 1, got {layers}")
+        if ns.trace:
+            requests = read_trace(ns.trace)
+        else:
+            spec = WorkloadSpec(seed=ns.seed, zipf_s=ns.zipf_s, **{
+                f: getattr(ns, f) if getattr(ns, f) is not None else sizes[f] for f in _SPEC_FIELDS})
+            requests = generate(spec)
+        max_req = max(len(r.tokens(PAGE)) // PAGE for r in requests)
+        if max_req == 0:
+            raise ValueError("workload: every request is shorter than one 64-token page; nothing to cache")
+        working = unique_pages(requests, PAGE)
+        l2_pages = ns.l2_pages if ns.l2_pages is not None else max(max_req + 1, working // 4)
+        if l2_pages < max_req:
+            raise ValueError(f"--l2-pages: {l2_pages} cannot hold the longest request ({max_req} pages); "
+                             f"use at least {max_req}")
+    except (TraceError, ValueError) as e:
+        console.print(f"[bold red]cachebench: {e}[/]", soft_wrap=True)
+        return 2
+    sidecars = not ns.no_sidecars
+    page_bytes = _page_bytes(layers, sidecars)
+    os.makedirs(ns.out_dir, exist_ok=True)
+    cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), working * (page_bytes + 3 * 4096))
+    host_pages = l2_pages + max_req + 1
+
+    split = max(1, len(requests) // 5)
+    phases = [("warm-up", requests[:split]), ("pressure", requests[split:]), ("reload", requests)]
+    info = {"cp_size": ns.cp_size, "sharded": ns.cp_size > 1, "layers": layers, "sidecars": sidecars,
+            "requests": len(requests), "working_set_pages": working, "l2_pages": l2_pages,
+            "logical_page_bytes": page_bytes, "max_request_pages": max_req, "l3_config": cfg,
+            "trace": ns.trace, "quick": ns.quick}
+    console.print(f"cachebench: {ns.cp_size} rank(s){' sharded' if ns.cp_size > 1 else ''}, {len(requests)} "
+                  f"requests, working set {working} pages ({working * page_bytes / 1e9:.2f} GB), "
+                  f"L2 {l2_pages} pages, {layers} layers, L3 config {cfg}")
+
+    raw_bytes = (ns.raw_mb or min(512, max(64, int(working * page_bytes / ns.cp_size / 1e6)))) * 10**6
+    with console.status("measuring the raw disk (O_DIRECT, same directory)"):
+        raw = rawdisk.measure(os.path.dirname(cfg), raw_bytes)
+    console.print(f"raw disk: write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
+                  f"({raw['bytes'] / 1e6:.0f} MB, 1 MiB O_DIRECT x {raw['threads']})")
+
+    logs = os.path.join(os.path.abspath(ns.out_dir), "rank{rank}.log")
+    for r in range(ns.cp_size):
+        open(logs.format(rank=r), "w").close()
+    console.print(f"rank logs: {logs.format(rank='N')}")
+    t0 = time.time()
+    with report.PhaseProgress(console) as progress:
+        first = run_ranks(ns.cp_size, run_phases,
+                          (cfg, phases, l2_pages, layers, "clear", host_pages, sidecars, logs),
+                          timeout=ns.timeout, on_event=progress.on_event)
+        progress.note("restart: all ranks exit; new processes, --cp-l3-cold-start load")
+        second = run_ranks(ns.cp_size, run_phases,
+                           (cfg, [("restart", requests)], l2_pages, layers, "load", host_pages, sidecars, logs),
+                           timeout=ns.timeout, on_event=progress.on_event)
+    wall = time.time() - t0
+    ranks = [dict(a, records=a["records"] + b["records"], errors=a["errors"] + b["errors"],
+                  restart_cold_start=b["cold_start"], counters_after_restart=b["counters"],
+                  occupancy_after_restart=b["occupancy"]) for a, b in zip(first, second)]
+    result = report.summarize(info, raw, ranks, wall)
+    report.print_table(console, result)
+    paths = report.write_outputs(ns.out_dir, result, ranks)
+    console.print(f"wrote {paths['json']} and {paths['png']}")
+    if result["errors"]:
+        console.print(f"[bold red]{result['errors']} error(s)[/]: " + "; ".join(result["error_samples"]))
+        return 1
+    return 0

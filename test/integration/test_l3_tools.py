@@ -1,0 +1,172 @@
+"""`sglang-cp l3 stats` and `sglang-cp l3 fsck [--repair]` as real processes on a real L3
+directory written by the real store (O_DIRECT slabs, shared LMDB index), with each kind of
+damage made on disk the way it happens: a flipped payload byte, a zeroed header, a blob of
+another rank copied into a slot, a lost index entry, two entries claiming one slot."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sglang_cp.cli import write_demo_config
+from sglang_cp.l3 import L3Store, load_l3_config
+from sglang_cp.l3.blob import HEADER_BYTES, key_digest
+from sglang_cp.l3.index import IndexEntry, LmdbIndex, index_key
+
+PAGE_BYTES = 16384
+N = 6
+
+
+def page(rank, i):
+    return np.full(PAGE_BYTES, (rank * 31 + i * 7 + 1) % 251, dtype=np.uint8)
+
+
+def cli(*args, timeout=120):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "sglang_cp.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture
+def l3dir(disk_tmp):
+    cfg_path = write_demo_config(str(disk_tmp / "l3"))
+    cfg = load_l3_config(cfg_path)
+    for rank in (0, 1):
+        with L3Store(cfg, rank=rank, ranks_per_node=2, payloads={"kv": PAGE_BYTES}) as s:
+            keys = [b"k%d" % i for i in range(N)]
+            assert all(s.write_pages("kv", keys, [page(rank, i) for i in range(N)], timeout=60))
+    return cfg_path, cfg
+
+
+def _entry(cfg, rank, key):
+    ix = LmdbIndex(cfg.index.dir, cfg.index.map_size_bytes, cfg.index.max_map_size_bytes)
+    try:
+        from sglang_cp.l3.blob import payload_tag
+
+        ikey = index_key(payload_tag("kv"), key_digest("kv", rank, key))
+        return ikey, ix.get_many([ikey])[0]
+    finally:
+        ix.close()
+
+
+def _slab(cfg, rank):
+    d = os.path.join(cfg.disks[0].path, "sglang-cp-l3")
+    (name,) = [n for n in os.listdir(d) if n.startswith(f"r{rank}.kv.")]
+    return os.path.join(d, name), int(name.split(".s")[1].split(".")[0])
+
+
+def _rw(path, off, n, data=None):
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if data is None:
+            return os.pread(fd, n, off)
+        os.pwrite(fd, data, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_stats_reports_occupancy_per_rank_disk_payload(l3dir):
+    cfg_path, _ = l3dir
+    p = cli("l3", "stats", "--cp-l3-config", cfg_path, "--json")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)
+    rows = {(r["rank"], r["disk"], r["payload"]): r for r in st["slabs"]}
+    assert set(rows) == {(0, "local0", "kv"), (1, "local0", "kv")}
+    for r in rows.values():
+        assert r["used"] == N and r["payload_bytes"] == N * PAGE_BYTES
+        assert r["gc"].startswith("below low watermark")
+    assert st["index"]["entries"] == 2 * N and st["unmatched_entries"] == 0
+    table = cli("l3", "stats", "--cp-l3-config", cfg_path)
+    assert table.returncode == 0 and f"{N} / " in table.stdout
+
+
+def test_fsck_finds_each_kind_of_damage_and_repair_fixes_it(l3dir):
+    cfg_path, cfg = l3dir
+    clean = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--json")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert json.loads(clean.stdout)["counts"] == {}
+
+    path0, sb = _slab(cfg, 0)
+    path1, _ = _slab(cfg, 1)
+    # crc: one payload byte of rank 0's k0 flipped.
+    _, e0 = _entry(cfg, 0, b"k0")
+    b = _rw(path0, e0.slot * sb + 100, 1)
+    _rw(path0, e0.slot * sb + 100, 1, bytes([b[0] ^ 0xFF]))
+    # dangling: rank 0's k1 loses its header (a torn slot the index still points at).
+    _, e1 = _entry(cfg, 0, b"k1")
+    _rw(path0, e1.slot * sb + PAGE_BYTES, HEADER_BYTES, bytes(HEADER_BYTES))
+    # cross_rank: rank 1's k2 blob copied over rank 0's k2 slot.
+    _, e2 = _entry(cfg, 0, b"k2")
+    _, f2 = _entry(cfg, 1, b"k2")
+    _rw(path0, e2.slot * sb, sb, _rw(path1, f2.slot * sb, sb))
+    # orphan: rank 1's k3 index entry lost (its blob stays on disk).
+    k3, g3 = _entry(cfg, 1, b"k3")
+    # collision: a second key of rank 0 claims rank 0's k4 slot.
+    _, e4 = _entry(cfg, 0, b"k4")
+    ix = LmdbIndex(cfg.index.dir, cfg.index.map_size_bytes, cfg.index.max_map_size_bytes)
+    try:
+        from sglang_cp.l3.blob import payload_tag
+
+        fake = index_key(payload_tag("kv"), key_digest("kv", 0, b"not-written"))
+        ix.commit(deletes=[(k3, g3)], puts=[(fake, IndexEntry(0, 0, e4.slot, e4.payload_tag, PAGE_BYTES,
+                                                               e4.last_access, e4.seq + 1))])
+    finally:
+        ix.close()
+
+    found = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--json")
+    assert found.returncode == 1, found.stdout + found.stderr
+    rep = json.loads(found.stdout)
+    assert rep["counts"] == {"crc": 1, "dangling": 1, "cross_rank": 1, "collision": 1, "orphan": 1}, rep
+    table = cli("l3", "fsck", "--cp-l3-config", cfg_path)
+    assert table.returncode == 1 and "cross_rank" in table.stdout
+
+    fixed = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--repair", "--json")
+    assert fixed.returncode == 3, fixed.stdout + fixed.stderr
+    assert json.loads(fixed.stdout)["repaired"] == {"crc": 1, "dangling": 1, "cross_rank": 1, "collision": 1,
+                                                    "orphan": 1}
+    again = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["counts"] == {}, again.stdout
+
+    # The store after repair: intact pages load and read back exactly; the damaged ones are gone.
+    with L3Store(cfg, rank=0, ranks_per_node=2, payloads={"kv": PAGE_BYTES}, cold_start="load") as s:
+        assert s.stats()["cold_start"]["dropped"] == 0
+        outs = [np.zeros(PAGE_BYTES, np.uint8) for _ in range(N)]
+        ok = s.read_pages("kv", [b"k%d" % i for i in range(N)], outs, timeout=60)
+        assert ok == [False, False, False, True, True, True]
+        for i in (3, 4, 5):
+            assert np.array_equal(outs[i], page(0, i))
+
+
+def test_fsck_refuses_repair_while_a_store_has_the_directory_open(l3dir):
+    cfg_path, _ = l3dir
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from sglang_cp.l3 import L3Store, load_l3_config\n"
+         f"s = L3Store(load_l3_config({cfg_path!r}), rank=0, ranks_per_node=2, payloads={{'kv': {PAGE_BYTES}}},"
+         " cold_start='load')\n"
+         "print('ready', flush=True)\n"
+         "sys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        p = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--repair")
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "refusing --repair" in p.stdout and str(holder.pid) in p.stdout
+        ro = cli("l3", "fsck", "--cp-l3-config", cfg_path)  # a read-only check still runs, with a warning
+        assert ro.returncode == 0 and "in use by pid" in ro.stdout
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert cli("l3", "fsck", "--cp-l3-config", cfg_path, "--repair").returncode == 0
+
+
+def test_bad_config_is_a_usage_error(disk_tmp):
+    missing = str(disk_tmp / "nope.toml")
+    for sub in ("stats", "fsck"):
+        p = cli("l3", sub, "--cp-l3-config", missing)
+        assert p.returncode == 2
+        assert "--cp-l3-config" in p.stdout and "does not exist" in p.stdout
