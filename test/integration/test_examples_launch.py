@@ -1,0 +1,99 @@
+"""examples/launch_*.sh: the PD-disaggregated CP prefill (with --enable-cp-l3) and decode
+(without) command lines, each parsed and resolved by SGLang's own parser with our plugin
+(``sglang_cp.cli.parse_launch_args``) in a fresh process, with the L3 config validated by
+our loader. Only the model path (hub/local weights) and machine paths are substituted."""
+
+import json
+import os
+import re
+import shlex
+
+import pytest
+
+from conftest import REPO, run_py
+
+EXAMPLES = os.path.join(REPO, "examples")
+
+
+def launch_argv(script: str, env: dict) -> list[str]:
+    """The launch_server arguments of ``script``: its `exec python -m sglang.launch_server`
+    line with continuations, variables expanded from ``env`` (every variable must be known)."""
+    text = open(os.path.join(EXAMPLES, script)).read()
+    m = re.search(r"^exec python -m sglang\.launch_server((?:.*\\\n)*.*)$", text, re.M)
+    assert m, f"{script}: no 'exec python -m sglang.launch_server' command"
+    cmd = m.group(1).replace("\\\n", " ")
+    used = set(re.findall(r"\$\{?([A-Z0-9_]+)", cmd))
+    assert used <= set(env), f"{script}: unknown variables {used - set(env)}"
+    for k, v in env.items():
+        cmd = cmd.replace(f'"${k}"', shlex.quote(v)).replace(f"${k}", shlex.quote(v))
+    for k in used:  # each has a default in the script
+        assert re.search(rf"^{k}=\$\{{{k}:-", text, re.M), f"{script}: {k} has no default"
+    return shlex.split(cmd)
+
+
+def _l3_config(disk_tmp):
+    text = open(os.path.join(EXAMPLES, "l3.single-nvme.toml")).read()
+    root = disk_tmp / "nvme0"
+    (root / "sglang-cp" / "index").mkdir(parents=True, exist_ok=True)
+    text = text.replace("/nvme0/", f"{root}/").replace('plp_policy = "warn"', 'plp_policy = "ignore"')
+    path = disk_tmp / "l3.toml"
+    path.write_text(text)
+    return str(path)
+
+
+PARSE = """
+import json, sys
+from sglang_cp.cli import parse_launch_args
+from sglang.srt.arg_groups.overrides import resolved_view
+sa = parse_launch_args(json.loads(sys.argv[1] if len(sys.argv) > 1 else {argv!r}))
+c = resolved_view(sa)
+keys = ("tp_size", "attn_cp_size", "enable_prefill_cp", "enable_kv_cache_sharding", "disaggregation_mode",
+        "enable_hierarchical_cache", "hicache_storage_backend", "enable_cp_l3", "cp_l3_config",
+        "cp_l3_cold_start", "enable_cp_shared_physical_l2_hicache", "page_size", "enable_metrics")
+print("RESULT " + json.dumps({{k: getattr(c, k, getattr(sa, k, None)) for k in keys}}))
+"""
+
+
+def _parse(argv):
+    p = run_py(PARSE.format(argv=json.dumps(argv)), timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_prefill_cp_l3_example_parses_and_selects_our_l3(disk_tmp):
+    cfg = _l3_config(disk_tmp)
+    huge = disk_tmp / "hugetlbfs"  # the flag only needs the directory at parse time
+    huge.mkdir()
+    r = _parse(launch_argv("launch_prefill_cp_l3.sh", {"MODEL": "dummy", "L3_CONFIG": cfg,
+                                                       "HUGETLBFS": str(huge)}))
+    assert r["disaggregation_mode"] == "prefill"
+    assert r["enable_prefill_cp"] and r["enable_kv_cache_sharding"] and r["attn_cp_size"] == r["tp_size"] == 8
+    assert r["enable_cp_l3"] and r["cp_l3_config"] == cfg and r["cp_l3_cold_start"] == "load"
+    assert r["hicache_storage_backend"] == "dynamic"  # ours, selected by --enable-cp-l3
+    assert r["enable_cp_shared_physical_l2_hicache"] and r["page_size"] == 64
+
+
+def test_decode_example_parses_without_l3():
+    r = _parse(launch_argv("launch_decode.sh", {"MODEL": "dummy"}))
+    assert r["disaggregation_mode"] == "decode"
+    assert not r["enable_cp_l3"] and r["hicache_storage_backend"] is None
+    assert r["tp_size"] == 8 and r["page_size"] == 64
+
+
+def test_prefill_example_with_a_bad_l3_config_is_rejected_naming_the_field(disk_tmp):
+    cfg = _l3_config(disk_tmp)
+    bad = disk_tmp / "bad.toml"
+    bad.write_text(open(cfg).read().replace("low_watermark = 0.85", "low_watermark = 0.95"))
+    huge = disk_tmp / "hugetlbfs"
+    huge.mkdir()
+    argv = launch_argv("launch_prefill_cp_l3.sh", {"MODEL": "dummy", "L3_CONFIG": str(bad), "HUGETLBFS": str(huge)})
+    p = run_py(PARSE.format(argv=json.dumps(argv)), timeout=300)
+    assert p.returncode != 0 and "gc.low_watermark" in p.stderr
+
+
+@pytest.mark.parametrize("script", ["launch_prefill_cp_l3.sh", "launch_decode.sh"])
+def test_scripts_are_valid_bash(script):
+    import subprocess
+
+    assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, script)]).returncode == 0
