@@ -202,3 +202,29 @@ def placement_assert(rank, world, port, l3_config, n_pages, diverge):
             return {"rank": rank, "raised": str(e)}
     finally:
         r.close()
+
+
+def forced_phase_probe(rank, world, port, l3_config, n_pages, write_phase, anchor_phase):
+    """Prefetch as the radix cache would under an anchor whose chain fixes the phase."""
+    from sglang_cp.integration import l3_prefetch_rotation as rot
+
+    r = Rank(rank, world, port, l3_config, sharded=True)
+    try:
+        tokens = tokens_for(n_pages, seed=8)
+        hi = r.alloc_host(n_pages * PAGE, start_owner=write_phase)
+        r.fill(hi, n_pages)
+        r.backup(tokens, hi)
+        r.group.free(hi)
+        r.zero_host()
+        r.dist.barrier()
+        rot._tls.forced = anchor_phase  # what prefetch_from_storage_around derives from the anchor
+        try:
+            hit, completed, hi2 = r.prefetch(tokens)
+        finally:
+            rot._tls.forced = None
+        owners = [r.owner_of_page_start(int(hi2[i * PAGE])) for i in range(len(hi2) // PAGE)] if hi2 is not None else []
+        checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
+        return {"rank": rank, "hit": hit, "completed": completed, "owners": owners, "checked": checked,
+                "equal": equal}
+    finally:
+        r.close()

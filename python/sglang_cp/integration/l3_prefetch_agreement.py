@@ -116,7 +116,11 @@ def sync_prefetch_hit_query_around(original, self, operation, storage_hit_count)
     finally:
         _ride.extra = None
         _ride.result = None
-    best = max(range(n), key=lambda b: (reduced[b], -b))  # ties -> lowest phase, on every rank
+    forced = getattr(operation, "_cp_l3_forced_phase", None)  # set from the replicated radix anchor
+    if forced is not None:
+        best = forced  # the prefetched pages must continue the anchor chain's rotation
+    else:
+        best = max(range(n), key=lambda b: (reduced[b], -b))  # ties -> lowest phase, on every rank
     pages = reduced[best]
     operation._cp_l3_start_owner = best if pages > 0 else None
     return min(upstream, pages * self.page_size)
@@ -144,6 +148,12 @@ def alloc_prefetch_host_buffers_around(original, self, operation, need_size):
         indices = None  # no agreed owner pattern: a miss, never a plain allocation
     else:
         indices = self.mem_pool_host.alloc(need_size, start_owner=start)
+        if indices is not None:
+            from sglang_cp.integration.l3_prefetch_rotation import remember_stamp
+
+            # The radix insert of this span stamps the chain's rotation base from it.
+            remember_stamp(indices, start, getattr(operation, "storage_start", 0), self.page_size,
+                           backend.shard_size)
     groups = getattr(self, "_cp_l3_assert_groups", None)
     if groups is not None:
         assert_placement_agrees(self, backend, operation, start, indices, groups)

@@ -134,6 +134,10 @@ class CpL3Storage(HiCacheStorage):
             page_bytes=tuple(sorted(payloads.items())),
         ))
         self.payloads = payloads
+        if self.sharded:
+            from sglang_cp.integration.l3_prefetch_rotation import set_shard_size
+
+            set_shard_size(self.shard_size)
         self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
         logger.info("sglang-cp L3 backend ready: rank %d/%d, shard %d/%d, payloads %s",
                     rank, ranks_per_node, self.shard_rank, self.shard_size, payloads)

@@ -1,0 +1,82 @@
+"""Prefetched spans continue their radix chain's rotation (KV sharding)."""
+
+import textwrap
+
+from conftest import run_py
+from cp_harness import PAGE, run_ranks
+from cp_scenarios import forced_phase_probe
+from sglang_cp.cli import write_demo_config
+from sglang_cp.integration.l3_prefetch_rotation import forced_phase, stamp_base
+
+
+def test_phase_arithmetic():
+    # anchor starting at owner 3 and 6 pages long on N=4: the next page is owned by (3+6)%4 = 1
+    assert forced_phase(3, 6, 4) == 1
+    assert forced_phase(None, 6, 4) is None
+    # stamping inverts it: a node starting at page 6 with first owner 1 has base 3
+    assert stamp_base(1, 6 * 64, 64, 4) == 3
+
+
+def test_anchor_phase_decides_what_is_reloaded(disk_tmp):
+    cfg = write_demo_config(str(disk_tmp / "l3"))
+    same = run_ranks(2, forced_phase_probe, (cfg, 5, 1, 1))
+    for r in same:
+        assert r["hit"] == 5 * PAGE and r["owners"] == [1, 0, 1, 0, 1] and r["equal"] == r["checked"]
+    # An anchor whose rotation puts page 0 on the rank that never wrote it: a miss, and
+    # nothing is loaded into the other rank's slots.
+    other = run_ranks(2, forced_phase_probe, (cfg, 5, 1, 0))
+    assert [r["hit"] for r in other] == [0, 0] and [r["owners"] for r in other] == [[], []]
+
+
+STAMP = textwrap.dedent(
+    """
+    import os, torch
+    os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.runtime_context import get_context
+    from sglang_cp.integration import l3_prefetch_rotation as rot
+    PS = 4
+    with get_context().override_server_args():
+        alloc = PageInterleavePoolAllocator(size=PS * 32, physical_page_size=PS, shard_size=2,
+                                            dtype=torch.int64, device="cpu", kvcache=None, need_sort=False)
+        cache = UnifiedRadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=ReqToTokenPool(8, 4096, "cpu", False),
+            token_to_kv_pool_allocator=alloc, page_size=PS, tree_components=(ComponentType.FULL,)))
+        tc = cache.tree_core
+        root = tc.root_node.id
+        plain = tc.insert_host(root, RadixKey(list(range(100, 100 + 2 * PS))), torch.arange(2 * PS), ["p", "q"])
+        print("PLAIN", tc.node_by_id(plain.inserted_host_node).rotation_base)
+        rot.set_shard_size(2)
+        # What the prefetch allocation records: a bounce whose first page (position 0,
+        # root anchor) is owned by rank 1.
+        host = torch.arange(3 * PS)
+        rot.remember_stamp(host, start_owner=1, storage_start_tokens=0, page_size=PS, shard_size=2)
+        res = tc.insert_host(root, RadixKey(list(range(3 * PS))), host, ["a", "b", "c"])
+        node = tc.node_by_id(res.inserted_host_node)
+        print("STAMPED", node.rotation_base, tc.rotation_phase_of(node.id))
+        # The anchor's phase fixes the next prefetch: after a 3-page chain at phase 1 the
+        # next page belongs to (1 + 3) % 2 = 0.
+        tc.prefetch_anchor_info(node.id)
+        print("FORCED", rot._tls.forced)
+        # A span whose agreed phase contradicts the anchor's rotation is dropped (a miss).
+        host2 = torch.arange(100 * PS, 102 * PS)
+        rot.remember_stamp(host2, start_owner=1, storage_start_tokens=3 * PS, page_size=PS, shard_size=2)
+        res2 = tc.insert_host(node.id, RadixKey(list(range(3 * PS, 5 * PS))), host2, ["d", "e"])
+        print("DROPPED", res2.host_insert_dropped, res2.inserted_host_node)
+    """
+)
+
+
+def test_prefetched_nodes_get_the_agreed_rotation_base():
+    p = run_py(STAMP, check=True)
+    assert "PLAIN None" in p.stdout          # upstream's behaviour without our stamp
+    assert "STAMPED 1 1" in p.stdout         # real UnifiedTreeCore.insert_host, stamped
+    assert "FORCED 0" in p.stdout
+    assert "DROPPED True None" in p.stdout
