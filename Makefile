@@ -5,8 +5,14 @@ PY := .venv/bin/python
 setup:
 	bash scripts/setup_env.sh
 
+# The main job: CP ranks with upstream's HiCache and our L3 through warm-up, L2 pressure,
+# reload and a full restart (table, out/cachebench/cachebench.{json,png}); then the operator
+# tools on the L3 directory it left behind.
 demo: setup
-	.venv/bin/sglang-cp demo --out-dir out/demo
+	.venv/bin/sglang-cp cachebench --quick --out-dir out/cachebench
+	.venv/bin/sglang-cp l3 stats --cp-l3-config out/cachebench/l3/l3.toml
+	.venv/bin/sglang-cp l3 fsck --cp-l3-config out/cachebench/l3/l3.toml
+	.venv/bin/sglang-cp doctor --cp-l3-config out/cachebench/l3/l3.toml
 
 # CI's suite (slow-marked tests excluded by pyproject's addopts).
 test: setup
