@@ -87,15 +87,18 @@ def print_table(console, result: dict) -> None:
                     f"{cfg['requests']} requests, working set {cfg['working_set_pages']} pages, "
                     f"L2 {cfg['l2_pages']} pages; raw disk write {raw['write_gbps']:.2f} / "
                     f"read {raw['read_gbps']:.2f} GB/s (measured in this run)")
-    for col in ("phase", "requests", "L2 hit", "L3 hit", "computed", "L3 read GB", "L3 write GB",
+    for col in ("phase", "requests", "L2 hit (pages)", "L3 hit (pages)", "computed (pages)", "L3 read GB",
+                "L3 write GB",
                 "L3 read GB/s (x raw)", "L3 write GB/s (x raw)", "recompute avoided (tokens)", "errors"):
         t.add_column(col, justify="right")
 
     def rate(gbps, raw_gbps):
         return "-" if gbps is None else f"{gbps:.2f} ({gbps / raw_gbps:.2f}x)"
     for name, p in result["phases"].items():
-        t.add_row(name, str(p["requests"]), f"{p['l2_hit_rate']:.1%}", f"{p['l3_hit_rate']:.1%}",
-                  f"{p['computed_pages'] / p['pages']:.1%}" if p["pages"] else "-",
+        def share(n):
+            return f"{n / p['pages']:.1%} ({n})" if p["pages"] else "-"
+        t.add_row(name, str(p["requests"]), share(p["l2_hit_pages"]), share(p["l3_hit_pages"]),
+                  share(p["computed_pages"]),
                   f"{p['l3_read_bytes'] / 1e9:.3f}", f"{p['l3_write_bytes'] / 1e9:.3f}",
                   rate(p["l3_read_gbps"], raw["read_gbps"]), rate(p["l3_write_gbps"], raw["write_gbps"]),
                   f"{p['recompute_avoided_tokens']:,}", str(p["errors"]))
