@@ -110,7 +110,7 @@ def print_table(console, result: dict) -> None:
     cs = result["restart_cold_start"]
     console.print("restart: cold start 'load' found " + ", ".join(
         f"rank {i}: {c.get('live', 0)} live / {c.get('dropped', 0)} dropped" for i, c in enumerate(cs))
-        + f"; total wall {result['wall_seconds']:.0f} s")
+        + f"; total wall {result['wall_seconds']:.0f} s", soft_wrap=True)
 
 
 def write_outputs(out_dir: str, result: dict, ranks: list[dict]) -> dict:

@@ -115,18 +115,18 @@ def run(ns) -> int:
             "trace": ns.trace, "quick": ns.quick}
     console.print(f"cachebench: {ns.cp_size} rank(s){' sharded' if ns.cp_size > 1 else ''}, {len(requests)} "
                   f"requests, working set {working} pages ({working * page_bytes / 1e9:.2f} GB), "
-                  f"L2 {l2_pages} pages, {layers} layers, L3 config {cfg}")
+                  f"L2 {l2_pages} pages, {layers} layers, L3 config {cfg}", soft_wrap=True)
 
     raw_bytes = (ns.raw_mb or min(512, max(64, int(working * page_bytes / ns.cp_size / 1e6)))) * 10**6
     with console.status("measuring the raw disk (O_DIRECT, same directory)"):
         raw = rawdisk.measure(os.path.dirname(cfg), raw_bytes)
     console.print(f"raw disk: write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
-                  f"({raw['bytes'] / 1e6:.0f} MB, 1 MiB O_DIRECT x {raw['threads']})")
+                  f"({raw['bytes'] / 1e6:.0f} MB, 1 MiB O_DIRECT x {raw['threads']})", soft_wrap=True)
 
     logs = os.path.join(os.path.abspath(ns.out_dir), "rank{rank}.log")
     for r in range(ns.cp_size):
         open(logs.format(rank=r), "w").close()
-    console.print(f"rank logs: {logs.format(rank='N')}")
+    console.print(f"rank logs: {logs.format(rank='N')}", soft_wrap=True)
     t0 = time.time()
     with report.PhaseProgress(console) as progress:
         first = run_ranks(ns.cp_size, run_phases,
@@ -143,7 +143,7 @@ def run(ns) -> int:
     result = report.summarize(info, raw, ranks, wall)
     report.print_table(console, result)
     paths = report.write_outputs(ns.out_dir, result, ranks)
-    console.print(f"wrote {paths['json']} and {paths['png']}")
+    console.print(f"wrote {paths['json']} and {paths['png']}", soft_wrap=True)
     if result["errors"]:
         console.print(f"[bold red]{result['errors']} error(s)[/]: " + "; ".join(result["error_samples"]))
         return 1
