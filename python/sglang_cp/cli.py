@@ -136,6 +136,14 @@ def _cmd_cachebench(ns) -> int:
     return run(ns)
 
 
+def _wide_console():
+    """A log or a pipe gets 160 columns: rich would squeeze the tables into 80."""
+    from rich.console import Console
+
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
 def _load_l3_config_or_exit(path, console):
     from sglang_cp.l3 import L3ConfigError, load_l3_config
 
@@ -149,12 +157,11 @@ def _load_l3_config_or_exit(path, console):
 def _cmd_l3_stats(ns) -> int:
     import json
 
-    from rich.console import Console
     from rich.table import Table
 
     from sglang_cp.l3 import occupancy
 
-    console = Console()
+    console = _wide_console()
     cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)
     if cfg is None:
         return 2
@@ -166,12 +173,14 @@ def _cmd_l3_stats(ns) -> int:
                     f"low {st['gc']['low_watermark']:.2f}")
     for col in ("rank", "disk", "payload", "slot B", "used / slots", "used", "payload GB", "coldest page",
                 "GC"):
-        t.add_column(col, justify="left" if col == "GC" else "right")
+        t.add_column(col, justify="left" if col == "GC" else "right", no_wrap=True)
     for r in st["slabs"]:
         age = "-" if r["coldest_age_s"] is None else f"{r['coldest_age_s']:.0f} s ago"
         t.add_row(str(r["rank"]), r["disk"], r["payload"], str(r["slot_bytes"]), f"{r['used']} / {r['slots']}",
                   f"{r['fraction']:.1%}", f"{r['payload_bytes'] / 1e9:.3f}", age, r["gc"])
     console.print(t)
+    for state in sorted({r["gc"] for r in st["slabs"]}):
+        console.print(f"GC {state}: {st['gc_states'][state]}")
     ix = st["index"]
     if ix is None:
         console.print(f"index: none at {cfg.index.dir} (no server has written here yet)")
@@ -189,12 +198,11 @@ FSCK_CLEAN, FSCK_PROBLEMS, FSCK_USAGE, FSCK_REPAIRED = 0, 1, 2, 3
 def _cmd_l3_fsck(ns) -> int:
     import json
 
-    from rich.console import Console
     from rich.table import Table
 
     from sglang_cp.l3 import fsck
 
-    console = Console()
+    console = _wide_console()
     cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)
     if cfg is None:
         return FSCK_USAGE

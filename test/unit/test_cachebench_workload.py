@@ -84,7 +84,7 @@ def test_bad_trace_lines_name_the_line_and_field(tmp_path, line, field):
     path.write_text(json.dumps({"segments": [{"id": "ok", "tokens": 64}]}) + "\n" + line + "\n")
     with pytest.raises(TraceError) as e:
         read_trace(str(path))
-    assert f"bad.jsonl:2" in str(e.value) and field in str(e.value)
+    assert "bad.jsonl:2" in str(e.value) and field in str(e.value)
 
 
 def _rec(phase, l2, l3, computed, **kw):

@@ -15,12 +15,19 @@ from .config import L3Config
 from .fsck import all_entries, find_slabs, open_index
 
 
+GC_STATES = {
+    "reclaiming": "above gc.high_watermark: GC reclaims the coldest pages toward gc.low_watermark",
+    "between": "between the watermarks: no GC until above gc.high_watermark",
+    "idle": "below gc.low_watermark",
+}
+
+
 def gc_state(frac: float, high: float, low: float) -> str:
     if frac > high:
-        return "above high watermark: GC reclaims toward low on the next write-thread pass"
+        return "reclaiming"
     if frac > low:
-        return "between watermarks: no GC until above high"
-    return "below low watermark: idle"
+        return "between"
+    return "idle"
 
 
 def collect(config: L3Config) -> dict:
@@ -54,6 +61,7 @@ def collect(config: L3Config) -> dict:
     return {
         "config": config.source, "slabs": rows, "index": index_info,
         "unmatched_entries": len(entries) - matched,
+        "gc_states": GC_STATES,
         "gc": {"high_watermark": config.gc.high_watermark, "low_watermark": config.gc.low_watermark,
                "max_reclaim_per_iter": config.gc.max_reclaim_per_iter},
         # The store keeps its cold-start result in memory (L3Store.stats()["cold_start"], the server
