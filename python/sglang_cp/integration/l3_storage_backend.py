@@ -53,6 +53,11 @@ UPSTREAM_SYMBOLS = (
     "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_dynamic_backend",
 )
 KV_PAYLOAD = PoolName.KV.value
+# Upstream's prefetch thread calls us synchronously; a stuck disk must not wedge it (and
+# with it shutdown): past this bound the unfinished pages are misses, and the store stops
+# touching the host pages before read_pages returns. Writes have no such bound: the store
+# may read the caller's pages until the write completes, and upstream frees them after.
+READ_TIMEOUT_S = 60.0
 
 # Per storage-thread scratch: the phase vector of the last hit query (read by the
 # agreement hook on the same thread) -- see l3_prefetch_agreement.
@@ -221,7 +226,7 @@ class CpL3Storage(HiCacheStorage):
                 outs.append(_as_bytes_view(bounce))
                 copies.append(bounce)
         store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
-        ok = self.store.read_pages(payload, store_keys, outs)
+        ok = self.store.read_pages(payload, store_keys, outs, timeout=READ_TIMEOUT_S)
         first_miss = next((j for j, good in enumerate(ok) if not good), len(ok))
         for j, ((i, row), good) in enumerate(zip(mine, ok)):
             results[i] = bool(good) and j < first_miss
