@@ -38,8 +38,8 @@ def test_page_groups_accept_whole_aligned_pages():
 
 @pytest.mark.parametrize("idx,n,msg", [
     (torch.arange(0, 100), 2, "partial page"),
-    (torch.arange(1, 129), 2, "not a multiple of 64"),
-    (torch.cat([torch.arange(0, 63), torch.tensor([99])]), 1, "not 64 consecutive"),
+    (torch.arange(1, 129), 2, "not a multiple of page_size=64"),
+    (torch.cat([torch.arange(0, 63), torch.tensor([99])]), 1, "not 64 consecutive slots"),
     (None, 1, "missing"),
 ])
 def test_page_groups_reject_malformed_groups(idx, n, msg):
