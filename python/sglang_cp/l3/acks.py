@@ -39,7 +39,8 @@ class OpState:
         self.done = threading.Event()
         self.cond = threading.Condition()
         self.cancelled = False
-        self.running = 0  # pages whose I/O into caller memory is in progress (reads)
+        self.running = 0  # pages whose I/O touches caller memory right now
+        self.on_done = None
         if not keys:
             self.done.set()
 
@@ -52,8 +53,12 @@ class OpState:
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
-                return True
-            return False
+                done = True
+            else:
+                return False
+        if done and self.on_done is not None:
+            self.on_done(self)
+        return True
 
     def begin_io(self) -> bool:
         with self.cond:

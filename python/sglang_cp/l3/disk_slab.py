@@ -84,6 +84,17 @@ class DiskSlab:
             self.fault_injector("read", self, slot)
         return os.preadv(self.fd, iovecs, off)
 
+    def read_slots(self, first_slot: int, count: int, iovecs: list[memoryview]) -> int:
+        """preadv whole consecutive slots (coalesced read); returns bytes read (caller checks)."""
+        off = self._offset(first_slot)
+        self._offset(first_slot + count - 1)
+        if sum(v.nbytes for v in iovecs) != count * self.extent or self.slot_bytes != self.extent:
+            raise L3InvariantError(f"slab '{self.path}': coalesced read must cover whole contiguous slots")
+        if self.fault_injector:
+            for k in range(count):
+                self.fault_injector("read", self, first_slot + k)
+        return os.preadv(self.fd, iovecs, off)
+
     def sync(self) -> None:
         if self.fault_injector:
             self.fault_injector("sync", self, -1)

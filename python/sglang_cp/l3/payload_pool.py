@@ -109,6 +109,38 @@ class PayloadPool:
         np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(buf[:pb], dtype=np.uint8))
         return h
 
+    def can_read_run(self, outs: list[memoryview]) -> bool:
+        """Consecutive slots can be read in one preadv straight into the outs (zero copy)."""
+        return self.slab.slot_bytes == self.extent and self.page_bytes >= ALIGN and all(
+            (a := address_of(o)) is not None and a % ALIGN == 0 for o in outs)
+
+    def read_run(self, first_slot: int, items: list[tuple[bytes, memoryview]], bounce: BounceBuffers) -> list:
+        """One preadv for consecutive slots [first_slot, +len(items)) into aligned outs; per page, the
+        verified header or the BlobError. Raises OSError if the read itself fails or comes back short."""
+        pb, ext = self.page_bytes, self.extent
+        aligned = pb // ALIGN * ALIGN
+        tail_len = ext - aligned
+        tails = bounce.get(tail_len * len(items))
+        iov = []
+        for k, (_, out) in enumerate(items):
+            iov += [out[:aligned], tails[k * tail_len:(k + 1) * tail_len]]
+        n = self.slab.read_slots(first_slot, len(items), iov)
+        if n != ext * len(items):
+            raise OSError(5, f"short read {n}/{ext * len(items)} B")
+        results = []
+        for k, (digest, out) in enumerate(items):
+            tail = tails[k * tail_len:(k + 1) * tail_len]
+            try:
+                h = self._check(tail[pb - aligned: pb - aligned + HEADER_BYTES], first_slot + k, digest)
+                if pb > aligned:
+                    out[aligned:] = tail[: pb - aligned]
+                if crc32c(out) != h.payload_crc:
+                    raise BlobError("crc_mismatch")
+                results.append(h)
+            except BlobError as err:
+                results.append(err)
+        return results
+
     def read_header(self, slot: int, bounce: BounceBuffers) -> BlobHeader:
         """Header-only read (recovery): one or two aligned blocks, not the whole slot."""
         off, length = header_block(self.page_bytes)

@@ -41,6 +41,8 @@ SLAB_SUBDIR = "sglang-cp-l3"
 # Staged pages are handed to the write thread in messages of about this size: big enough to keep
 # per-message overhead low, small enough that disk I/O starts while the caller is still copying.
 _MESSAGE_BYTES = 8 << 20
+# A coalesced read covers consecutive slots up to this many bytes (one preadv).
+_READ_IO_BYTES = 1 << 20
 
 COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages", "write_already_durable", "write_errors",
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
@@ -116,12 +118,14 @@ class L3Store:
         self._gc = {p: WatermarkPolicy(config.gc.high_watermark, config.gc.low_watermark,
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
         self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
-        self._read_slots = threading.BoundedSemaphore(max(config.io.max_inflight_pages, config.io.threads))
+        self._read_permits = max(config.io.max_inflight_pages, config.io.threads)
+        self._read_slots = threading.BoundedSemaphore(self._read_permits)
         self._bounce = BounceBuffers()
         self._op_ids = itertools.count(1)
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
         self._inflight: dict[bytes, WriteTask] = {}
+        self._live_ops: set[OpState] = set()
         self._touches: collections.deque = collections.deque()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._reads_inflight = 0
@@ -138,7 +142,7 @@ class L3Store:
 
     def _submit_write(self, payload: str, keys: list[bytes], pages: list, sync: bool,
                       zero_copy: bool = False) -> OpState:
-        op = self._new_op(keys, sync)
+        op = self._new_op(keys, sync, AckKind.DURABLE)
         pool = self._pool(payload)
         if len(pages) != len(keys):
             raise ValueError(f"submit_write: {len(keys)} keys but {len(pages)} pages; pass one page per key")
@@ -311,13 +315,23 @@ class L3Store:
 
     # ================================================================ helpers (caller threads)
 
-    def _new_op(self, keys: list[bytes], sync: bool) -> OpState:
+    def _new_op(self, keys: list[bytes], sync: bool, final: AckKind) -> OpState:
         self._raise_fatal()
         if self._closed:
             raise RuntimeError("L3Store is closed")
         if not isinstance(keys, (list, tuple)) or not all(isinstance(k, (bytes, bytearray)) for k in keys):
             raise TypeError("keys: must be a list of bytes")
-        return OpState(next(self._op_ids), [bytes(k) for k in keys], sync)
+        op = OpState(next(self._op_ids), [bytes(k) for k in keys], sync)
+        op.final_kind = final
+        if keys:
+            with self._lock:
+                self._live_ops.add(op)
+            op.on_done = self._op_done
+        return op
+
+    def _op_done(self, op: OpState) -> None:
+        with self._lock:
+            self._live_ops.discard(op)
 
     def _pool(self, payload: str) -> PayloadPool:
         pool = self._pools.get(payload)
@@ -342,7 +356,7 @@ class L3Store:
         return mv
 
     def _submit_read(self, payload: str, keys: list[bytes], outs: list, sync: bool) -> OpState:
-        op = self._new_op(keys, sync)
+        op = self._new_op(keys, sync, AckKind.READ)
         pool = self._pool(payload)
         if len(outs) != len(keys):
             raise ValueError(f"submit_read: {len(keys)} keys but {len(outs)} outs; pass one buffer per key")
@@ -356,6 +370,7 @@ class L3Store:
         except IndexUnavailable as e:
             self._fault("index_errors", "index", "L3 index read failed (%s); reads are misses", e)
             entries = [None] * len(keys)
+        todo = []
         for i, e in enumerate(entries):
             if e is None or not pool.entry_fits(e):
                 if e is not None:
@@ -363,42 +378,105 @@ class L3Store:
                 self._count("misses")
                 self._finish(op, i, AckKind.READ, False)
                 continue
-            self._read_slots.acquire()
+            todo.append((e.slot, i))
+        for run in self._read_runs(pool, sorted(todo), views):
+            for _ in run:
+                self._read_slots.acquire()
             with self._lock:
-                self._reads_inflight += 1
-            self._rio.submit(self._read_one, op, i, pool, ikeys[i], digests[i], e, views[i])
+                self._reads_inflight += len(run)
+            items = [(i, ikeys[i], digests[i], entries[i], views[i]) for _, i in run]
+            if len(items) == 1:
+                self._submit_io(self._rio, self._read_one, op, items[0][0], pool, *items[0][1:])
+            else:
+                self._submit_io(self._rio, self._read_run, op, pool, items)
         return op
+
+    def _read_runs(self, pool: PayloadPool, todo: list[tuple[int, int]], views: list) -> list:
+        """Group pages of consecutive slots into coalesced reads (<= 1 MiB, and at least io.threads
+        requests when there is enough work), like the write path does."""
+        threads = self.config.io.threads
+        per_io = max(1, min(_READ_IO_BYTES // pool.extent, -(-len(todo) // threads),
+                            self._read_permits // 2))
+        runs, run = [], []
+        for slot, i in todo:
+            if run and (len(run) >= per_io or slot != run[-1][0] + 1):
+                runs.append(run)
+                run = []
+            run.append((slot, i))
+        if run:
+            runs.append(run)
+        out = []
+        for run in runs:
+            if len(run) > 1 and not pool.can_read_run([views[i] for _, i in run]):
+                out.extend([r] for r in run)
+            else:
+                out.append(run)
+        return out
+
+    def _read_run(self, op: OpState, pool: PayloadPool, items: list) -> None:
+        """A coalesced read; if the read itself fails or comes back short, each page is retried alone
+        so one bad sector or a truncated slab costs only its own pages."""
+        oks = [False] * len(items)
+        try:
+            if op.begin_io():
+                try:
+                    results = pool.read_run(items[0][3].slot, [(d, v) for _, _, d, _, v in items], self._bounce)
+                except OSError:
+                    results = None
+                finally:
+                    op.end_io()
+                if results is None:
+                    oks = [self._read_page_io(op, pool, ikey, d, e, out) for _, ikey, d, e, out in items]
+                else:
+                    for k, r in enumerate(results):
+                        if isinstance(r, BlobError):
+                            self._bad_page(pool, items[k][1], items[k][3], r)
+                        else:
+                            oks[k] = True
+        except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
+            self._set_fatal(err)
+        finally:
+            for k, (i, ikey, _, _, _) in enumerate(items):
+                self._page_done(op, i, pool, ikey, oks[k])
 
     def _read_one(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, digest: bytes, e: IndexEntry,
                   out: memoryview) -> None:
         ok = False
         try:
-            if not op.begin_io():
-                return
-            try:
-                pool.read_page(e.slot, digest, out, self._bounce)
-                ok = True
-            except BlobError as err:
-                self._bad_page(pool, ikey, e, err)
-            except OSError as err:
-                self._fault("read_errors", f"read-{err.errno}", "L3 read of %s slot %d failed: %s",
-                            pool.name, e.slot, err)
-            finally:
-                op.end_io()
-            if ok:
-                with self._lock:
-                    self._counters["reload_hits"] += 1
-                    self._counters["reload_bytes"] += pool.page_bytes
-                self._touch(pool, ikey, self._now())
-            else:
-                self._count("misses")
+            ok = self._read_page_io(op, pool, ikey, digest, e, out)
         except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
             self._set_fatal(err)
         finally:
+            self._page_done(op, i, pool, ikey, ok)
+
+    def _read_page_io(self, op: OpState, pool: PayloadPool, ikey: bytes, digest: bytes, e: IndexEntry,
+                      out: memoryview) -> bool:
+        if not op.begin_io():
+            return False  # the sync caller timed out: its buffers are off limits
+        try:
+            pool.read_page(e.slot, digest, out, self._bounce)
+            return True
+        except BlobError as err:
+            self._bad_page(pool, ikey, e, err)
+        except OSError as err:
+            self._fault("read_errors", f"read-{err.errno}", "L3 read of %s slot %d failed: %s",
+                        pool.name, e.slot, err)
+        finally:
+            op.end_io()
+        return False
+
+    def _page_done(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, ok: bool) -> None:
+        if ok:
             with self._lock:
-                self._reads_inflight -= 1
-            self._read_slots.release()
-            self._finish(op, i, AckKind.READ, ok)
+                self._counters["reload_hits"] += 1
+                self._counters["reload_bytes"] += pool.page_bytes
+            self._touch(pool, ikey, self._now())
+        else:
+            self._count("misses")
+        with self._lock:
+            self._reads_inflight -= 1
+        self._read_slots.release()
+        self._finish(op, i, AckKind.READ, ok)
 
     def _bad_page(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, err: BlobError) -> None:
         counter = {"crc_mismatch": "crc_errors", "short_read": "short_reads", "foreign_blob": "foreign_blobs"
@@ -465,10 +543,22 @@ class L3Store:
             self._last_seq = t
             return t
 
+    def _submit_io(self, pool: ThreadPoolExecutor, fn, *args) -> None:
+        """Executor futures swallow exceptions; a task that dies outside its own handlers is a bug in
+        this store, so it turns fatal (and fails every waiting op) instead of leaving callers hanging."""
+        fut = pool.submit(fn, *args)
+        fut.add_done_callback(lambda f: f.exception() and self._set_fatal(f.exception()))
+
     def _set_fatal(self, err: BaseException) -> None:
         logger.error("L3 store invariant broken: %r", err, exc_info=err)
         if self._fatal is None:
             self._fatal = err
+        with self._lock:
+            ops = list(self._live_ops)
+        for op in ops:  # nobody may wait forever on a store that stopped working
+            for i, r in enumerate(op.results):
+                if r is None:
+                    self._finish(op, i, op.final_kind, False)
 
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
@@ -487,7 +577,7 @@ class L3Store:
                 self._inflight.clear()
             for t in stuck:
                 for op, i in t.waiters:
-                    self._finish(op, i, AckKind.DURABLE, False)
+                    self._finish(op, i, op.final_kind, False)
             while True:
                 try:
                     msg = self._q.get_nowait()

@@ -163,7 +163,7 @@ class WriteThread:
 
     def _submit_io(self, run: list[WriteTask]) -> None:
         self.io_pending += len(run)
-        self.s._wio.submit(self._io_write, run)
+        self.s._submit_io(self.s._wio, self._io_write, run)
 
     def _io_write(self, run: list[WriteTask]) -> None:
         s = self.s

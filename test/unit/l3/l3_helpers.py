@@ -57,3 +57,13 @@ def flip(path: str, offset: int, mask: int = 0x01) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def aligned_pages(n: int, size: int):
+    """n page buffers, each 4 KiB aligned (host-pool-like memory): reads of these go zero-copy/coalesced."""
+    import mmap
+
+    import numpy as np
+    stride = (size + 4095) // 4096 * 4096
+    arr = np.frombuffer(mmap.mmap(-1, n * stride), np.uint8)
+    return [arr[i * stride: i * stride + size] for i in range(n)]

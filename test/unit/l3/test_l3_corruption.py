@@ -91,3 +91,17 @@ def test_zeroed_slot_is_a_miss(make_store):
     os.fsync(fd)
     os.close(fd)
     expect_single_miss(s, 9)
+
+
+def test_coalesced_reads_isolate_bad_pages(make_store):
+    from l3_helpers import aligned_pages
+    s = fill(make_store)
+    flip(slab_path(s), slot_offset(s, b"c6") + 3)
+    offs = sorted((slot_offset(s, k), i) for i, k in enumerate(keys()))
+    os.truncate(slab_path(s), offs[-1][0] + 4096)  # the last slot of the last run comes back short
+    o = aligned_pages(N, P)
+    ok = s.read_pages("kv", keys(), o)
+    assert ok == [i not in (6, offs[-1][1]) for i in range(N)]
+    assert all(bytes(o[i]) == page(i) for i in range(N) if ok[i])
+    c = s.stats()["counters"]
+    assert c["crc_errors"] == 1 and c["short_reads"] == 1
