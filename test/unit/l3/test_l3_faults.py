@@ -127,3 +127,24 @@ def test_invariant_violation_is_loud(make_store):
     used = next(iter(pool.owner))
     with pytest.raises(L3InvariantError, match="double free"):
         pool.slots.free_slot(used) or pool.slots.free_slot(used)
+
+
+@pytest.mark.parametrize("where", ["read", "write"])
+def test_internal_bug_is_loud_and_never_hangs_callers(make_store, where):
+    from sglang_cp.l3.errors import L3InvariantError
+    armed = threading.Event()
+
+    def bug(op, slab, slot):
+        if op == where and armed.is_set():
+            raise RuntimeError("a bug in the store, not an I/O fault")
+    s = make_store(fault_injector=bug)
+    assert all(s.write_pages("kv", keys(4), [page(i) for i in range(4)]))
+    armed.set()
+    # The sync call returns (no hang) by raising; so does every later call.
+    with pytest.raises(L3InvariantError, match="a bug in the store"):
+        if where == "read":
+            s.read_pages("kv", keys(4), [np.zeros(P, np.uint8) for _ in range(4)])
+        else:
+            s.write_pages("kv", keys(4, b"n"), [page(i) for i in range(4)])
+    with pytest.raises(L3InvariantError, match="a bug in the store"):
+        s.exists_prefix("kv", keys(4))
