@@ -283,7 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON instead of tables")
     st.set_defaults(fn=_cmd_l3_stats)
     fk = l3sub.add_parser("fsck", help="scan slab headers and the index; exit 0 clean, 1 problems, "
-                          "2 usage/config error, 3 repaired")
+                          "2 usage/config error, 3 repaired",
+                          description="Check an L3 directory with no server running: index entries against "
+                          "slab headers and payload CRCs. Exit codes: 0 clean (orphans are informational), "
+                          "1 problems found and not repaired, 2 usage/config error or --repair refused "
+                          "(the directory is in use), 3 repaired.")
     fk.add_argument("--cp-l3-config", required=True)
     fk.add_argument("--repair", action="store_true",
                     help="drop dangling/bad index entries and clear orphaned slot headers")
