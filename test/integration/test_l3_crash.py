@@ -23,7 +23,7 @@ from sglang_cp.l3 import L3Store, parse_l3_config
 PAYLOADS = {"kv": 16384, "ix": 5000}
 
 CHILD = textwrap.dedent("""
-    import hashlib, os, random, sys
+    import hashlib, mmap, os, random, sys
     import numpy as np
     sys.path.insert(0, sys.argv[4])
     from test_l3_crash import content, make_config
@@ -33,6 +33,8 @@ CHILD = textwrap.dedent("""
                 cold_start="load")
     log = os.open(os.path.join(root, "acked.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     rnd = random.Random(gen)
+    arena = np.frombuffer(mmap.mmap(-1, 24 * 16384), np.uint8)
+    aligned = [arena[j * 16384:(j + 1) * 16384] for j in range(24)]
     pending = {}
     i = 0
     print("ready", flush=True)
@@ -41,6 +43,14 @@ CHILD = textwrap.dedent("""
         ks = [b"g%d-%d" % (gen, i + j) for j in range(n)]
         i += n
         for payload, size in (("kv", 16384), ("ix", 5000)):
+            if rnd.random() < 0.3:
+                # The sync path writes 4 KiB-aligned pages straight from caller memory (zero copy).
+                bufs = [aligned[j][:size] for j in range(n)]
+                for b, k in zip(bufs, ks):
+                    b[:] = np.frombuffer(content(payload, k, size), np.uint8)
+                oks = s.write_pages(payload, ks, bufs)
+                os.write(log, b"".join(b"%s %s\\n" % (payload.encode(), k) for k, ok in zip(ks, oks) if ok))
+                continue
             op = s.submit_write(payload, ks, [content(payload, k, size) for k in ks])
             pending[op] = payload
         if rnd.random() < 0.3 and i > 50:
