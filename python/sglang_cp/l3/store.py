@@ -142,11 +142,11 @@ class L3Store:
 
     def _submit_write(self, payload: str, keys: list[bytes], pages: list, sync: bool,
                       zero_copy: bool = False) -> OpState:
-        op = self._new_op(keys, sync, AckKind.DURABLE)
         pool = self._pool(payload)
         if len(pages) != len(keys):
             raise ValueError(f"submit_write: {len(keys)} keys but {len(pages)} pages; pass one page per key")
         views = [self._page_view(pool, pg, i, "pages", writable=False) for i, pg in enumerate(pages)]
+        op = self._new_op(keys, sync, AckKind.DURABLE)  # after validation: a refused call leaves no op
         digests = [key_digest(payload, self.rank, k) for k in keys]
         ikeys = [index_key(pool.tag, d) for d in digests]
         try:
@@ -356,11 +356,11 @@ class L3Store:
         return mv
 
     def _submit_read(self, payload: str, keys: list[bytes], outs: list, sync: bool) -> OpState:
-        op = self._new_op(keys, sync, AckKind.READ)
         pool = self._pool(payload)
         if len(outs) != len(keys):
             raise ValueError(f"submit_read: {len(keys)} keys but {len(outs)} outs; pass one buffer per key")
         views = [self._page_view(pool, o, i, "outs", writable=True) for i, o in enumerate(outs)]
+        op = self._new_op(keys, sync, AckKind.READ)
         digests = [key_digest(payload, self.rank, k) for k in keys]
         ikeys = [index_key(pool.tag, d) for d in digests]
         with self._lock:
