@@ -90,13 +90,9 @@ def run_config(name, backend, world, sharded, args, workdir):
     results = []
     for rep in range(args.reps):
         root = tempfile.mkdtemp(dir=workdir, prefix=f"{name}-{rep}-")
-        cfg = write_demo_config(os.path.join(root, "l3"))
-        # Room for the workload: capacity in the demo config is 1 GB; scale it.
-        need_gb = 2.5 * args.pages * args.layers * PAGE * 1152 / 1e9 + 0.5
-        with open(cfg) as f:
-            text = f.read().replace("capacity_gb = 1.0", f"capacity_gb = {need_gb:.2f}")
-        with open(cfg, "w") as f:
-            f.write(text)
+        # Room for the workload (slabs are preallocated to the capacity).
+        need_gb = round(2.5 * args.pages * args.layers * PAGE * 1152 / 1e9 + 0.5, 2)
+        cfg = write_demo_config(os.path.join(root, "l3"), capacity_gb=need_gb)
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, args.pages, args.layers, "clear"),

@@ -15,7 +15,7 @@ from sglang_cp.cli import write_demo_config
 
 @pytest.fixture
 def l3cfg(disk_tmp):
-    return write_demo_config(str(disk_tmp / "l3"))
+    return write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
 
 
 def _assert_roundtrip(results, n_pages, sharded, write_phase=None):

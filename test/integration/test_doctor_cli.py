@@ -16,7 +16,7 @@ def run(*args, **kw):
 
 
 def test_doctor_on_this_machine_with_a_good_config(disk_tmp):
-    cfg = write_demo_config(str(disk_tmp / "l3"))
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     p = run("doctor", "--cp-l3-config", cfg)
     assert p.returncode == 0, p.stdout + p.stderr
     for needle in ("sglang", "0.5.23", "torch", "entry point", "upstream targets", "O_DIRECT: write+fdatasync",
@@ -25,7 +25,7 @@ def test_doctor_on_this_machine_with_a_good_config(disk_tmp):
 
 
 def test_doctor_fails_on_a_bad_config_naming_the_field(disk_tmp):
-    cfg = write_demo_config(str(disk_tmp / "l3"))
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     text = open(cfg).read().replace('name = "local0"', 'name = "local0"\nspeed = 3')
     open(cfg, "w").write(text)
     p = run("doctor", "--cp-l3-config", cfg)
@@ -41,7 +41,7 @@ def test_doctor_fails_when_hugepages_are_asked_for_but_missing(tmp_path):
 
 
 def test_check_args_accepts_and_rejects_through_sglangs_parser(disk_tmp):
-    cfg = write_demo_config(str(disk_tmp / "l3"))
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     ok = run("check-args", "--", "--model-path", "dummy", "--enable-hierarchical-cache", "--enable-cp-l3",
              "--cp-l3-config", cfg)
     assert ok.returncode == 0 and "accepted" in ok.stdout and "sglang_cp_l3" in ok.stdout

@@ -55,7 +55,7 @@ def test_upstream_still_refuses_other_backends_under_sharding():
 def test_our_backend_is_selected_and_passes_the_sharding_refusal(disk_tmp):
     from sglang_cp.cli import write_demo_config
 
-    cfg = write_demo_config(str(disk_tmp / "l3"))
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     step, backend = run_step(["--enable-cp-l3", "--cp-l3-config", cfg])
     # Past the refusal, upstream's next check needs the model's config (dummy has none):
     # the point is that the storage refusal did not fire.

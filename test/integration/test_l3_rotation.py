@@ -18,7 +18,7 @@ def test_phase_arithmetic():
 
 
 def test_anchor_phase_decides_what_is_reloaded(disk_tmp):
-    cfg = write_demo_config(str(disk_tmp / "l3"))
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     same = run_ranks(2, forced_phase_probe, (cfg, 5, 1, 1))
     for r in same:
         assert r["hit"] == 5 * PAGE and r["owners"] == [1, 0, 1, 0, 1] and r["equal"] == r["checked"]

@@ -32,7 +32,7 @@ def cli(*args, timeout=120):
 
 @pytest.fixture
 def l3dir(disk_tmp):
-    cfg_path = write_demo_config(str(disk_tmp / "l3"))
+    cfg_path = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     cfg = load_l3_config(cfg_path)
     for rank in (0, 1):
         with L3Store(cfg, rank=rank, ranks_per_node=2, payloads={"kv": PAGE_BYTES}) as s:

@@ -43,7 +43,7 @@ def _exposed_by_a_real_store(tmp_path):
     from sglang_cp.cli import write_demo_config
     from sglang_cp.l3 import L3Store, load_l3_config
 
-    cfg = load_l3_config(write_demo_config(str(tmp_path / "l3")))
+    cfg = load_l3_config(write_demo_config(str(tmp_path / "l3"), capacity_gb=0.05))
     with L3Store(cfg, rank=0, ranks_per_node=1, payloads={"kv": 8192}) as s:
         s.write_pages("kv", [b"a"], [bytes(8192)], timeout=60)
         stats = s.stats()

@@ -64,13 +64,9 @@ def _l3_config(root: str, need_bytes: int) -> str:
     from sglang_cp.cli import write_demo_config
 
     shutil.rmtree(root, ignore_errors=True)
-    cfg = write_demo_config(root)
-    cap = max(1.0, 2 * need_bytes / 1e9 + 0.2)  # room for the working set below GC's watermark
-    with open(cfg) as f:
-        text = f.read().replace("capacity_gb = 1.0", f"capacity_gb = {cap:.2f}")
-    with open(cfg, "w") as f:
-        f.write(text)
-    return cfg
+    # Room for the working set below GC's watermark; slabs are preallocated to this size.
+    cap = round(2 * need_bytes / 1e9 + 0.2, 2)
+    return write_demo_config(root, capacity_gb=cap)
 
 
 def run(ns) -> int:
