@@ -57,7 +57,9 @@ def test_skewed_ranks_and_a_failed_write_agree_without_hang(l3cfg):
     assert res[1]["failed_logical"] is None  # the slow rank persisted all of its stripe
     # The page rank 0 could not persist is missing on its owner: no rank may count it
     # (or anything after it) as a hit, and both ranks agree exactly.
-    assert failed > 0  # a partial prefix: pages before the bad one still reload
+    # Which of rank 0's pages hits the bad sector depends on the store's slot order; when
+    # it is not the first, the pages before it still reload (a partial prefix; the
+    # sidecar test cuts a prefix deterministically).
     assert {r["hit"] for r in res} == {failed * PAGE}
     assert {r["digest"] for r in res} == {res[0]["digest"]}
     for r in res:
