@@ -232,10 +232,7 @@ class CpL3Storage(HiCacheStorage):
             results[i] = bool(good) and j < first_miss
             if results[i] and copies[j] is not None:
                 pool.set_from_flat_data_page(row, copies[j])
-        if first_miss < len(ok):
-            self.store.touch(payload, store_keys[:first_miss])
-        else:
-            self.store.touch(payload, store_keys)
+        # No explicit touch: the store bumps every page it reads back (GC keeps hot pages).
         # Prefix semantics: nothing after this rank's first miss counts.
         if first_miss < len(mine):
             cut = mine[first_miss][0]
