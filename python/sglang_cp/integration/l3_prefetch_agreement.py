@@ -69,9 +69,11 @@ class CpL3StorageConfig(HiCacheStorageConfig):
 
 
 def _ours(controller) -> bool:
+    """Our backend is attached and open (its keys exist once every host pool registered)."""
+    from sglang_cp.integration.l3_storage_backend import CpL3Storage
+
     backend = getattr(controller, "storage_backend", None)
-    return backend is not None and getattr(backend, "keys", None) is not None and \
-        type(backend).__name__ == "CpL3Storage"
+    return isinstance(backend, CpL3Storage) and backend.keys is not None
 
 
 def _sharded_backend(controller):
