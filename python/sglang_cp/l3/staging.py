@@ -11,15 +11,16 @@ from .aligned import aligned_buffer
 class Staging:
     """Bounded staging memory: `max_inflight_pages` tokens shared by all payloads (backpressure).
 
-    Each payload gets an arena of `limit` slot images, allocated and faulted in at open so the write
-    path never pays first-touch page faults (slow on VMs with free-page reporting)."""
+    Each payload gets an arena of `limit` slot images, on transparent huge pages where the kernel
+    allows, allocated and faulted in at open so the write path never pays first-touch page faults
+    (slow on VMs with free-page reporting). A token comes back when its page's pwrite returned."""
 
     def __init__(self, limit: int, extents: set[int]):
         self._sem = threading.BoundedSemaphore(limit)
         self._free: dict[int, list[memoryview]] = {}
         self._arenas = []
         for ext in extents:
-            arena = aligned_buffer(ext * limit, populate=True)
+            arena = aligned_buffer(ext * limit, populate=True, huge=True)
             self._arenas.append(arena)
             mv = memoryview(arena)
             self._free[ext] = [mv[i * ext:(i + 1) * ext] for i in range(limit)]

@@ -25,8 +25,12 @@ if TYPE_CHECKING:
 
 # A coalesced write covers consecutive slots up to this many bytes (one pwritev).
 _MAX_IO_BYTES = 1 << 20
-# While writes are still in flight (and nobody waits for staging), a group commits at this size.
+# While writes are still in flight, a group commits at this size (bounds DURABLE ack latency).
 _GROUP_BYTES = 256 << 20
+# Written but not yet committed bytes above which no new write is dispatched. Staging tokens come back
+# when a pwrite returns, so without this a stuck commit (a hung fdatasync) would let writers run on
+# unbounded; with it, staging fills and submitters block (backpressure) until the commit lands.
+_MAX_UNCOMMITTED_BYTES = 2 * _GROUP_BYTES
 
 
 @dataclass(eq=False)
@@ -34,7 +38,8 @@ class WriteTask:
     pool: PayloadPool
     ikey: bytes
     digest: bytes
-    buf: memoryview                               # staging slot image, or the tail block if zero-copy
+    buf: Optional[memoryview]                     # staging slot image, or the tail block if zero-copy;
+                                                  # None once the write returned (token given back)
     waiters: list = field(default_factory=list)  # [(OpState, index_in_op)]
     src: Optional[memoryview] = None             # zero-copy: the sync caller's own page
     guard: Optional[OpState] = None              # the op whose caller memory `src` is
@@ -52,8 +57,10 @@ class WriteThread:
         self.s = store
         self.new: collections.deque[WriteTask] = collections.deque()
         self.completed: list[WriteTask] = []
+        self.completed_bytes = 0
         self.io_pending = 0
         self.committing = False
+        self.committing_bytes = 0
         self.barriers: collections.deque = collections.deque()
         self.dirty_touch: dict[bytes, IndexEntry] = {}
         self.commit_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -88,9 +95,12 @@ class WriteThread:
                     self.new.extend(m[1])
                 elif kind == "io_done":
                     self.io_pending -= len(m[1])
+                    self._release_buffers(m[1])
                     self.completed.extend(m[1])
+                    self.completed_bytes += sum(t.pool.page_bytes for t in m[1])
                 elif kind == "committed":
                     self.committing = False
+                    self.committing_bytes = 0
                     self._finish_group(m[1])
                 elif kind == "drop":
                     self._drop(*m[1:])
@@ -102,7 +112,7 @@ class WriteThread:
                     raise L3InvariantError(f"write thread: unknown message {kind!r}")
             self._apply_touches()
             self._gc()
-            if not self.barriers:
+            if not self.barriers and self._uncommitted_bytes() < _MAX_UNCOMMITTED_BYTES:
                 self._dispatch()
             if not self.committing and (self._group_ready() or (msg is None and self.dirty_touch)):
                 self._start_commit()
@@ -204,6 +214,20 @@ class WriteThread:
                 t.guard.end_io()
         s._q.put(("io_done", run))
 
+    def _release_buffers(self, run: list[WriteTask]) -> None:
+        """Once its pwrite returned, a page's staging image is not needed any more: fdatasync and the
+        index commit work on the file, and a failed page is never rewritten from staging. Freeing the
+        token here, not at DURABLE, keeps submitters copying while a group commit runs."""
+        st = self.s._staging
+        for t in run:
+            if t.buf is None:
+                continue
+            if t.src is not None:
+                st.release_tail(t.buf)
+            else:
+                st.release(t.pool.extent, t.buf)
+            t.buf = None
+
     def _write_failed(self, pool: PayloadPool, run: list[WriteTask], err: OSError) -> None:
         if not run:
             return
@@ -215,16 +239,20 @@ class WriteThread:
 
     def _group_ready(self) -> bool:
         """Every commit costs device cache flushes (fdatasync + LMDB), so commit as rarely as waiting
-        callers allow: when no write is in flight, when staging is exhausted (submitters are blocked on
-        the tokens this commit frees), or when a large amount of data waits (bounds ack latency)."""
+        callers allow: when no write is in flight, or when a large amount of data waits (bounds ack
+        latency). Staging tokens come back at write completion, so submitters never wait on a commit."""
         if not self.completed:
             return False
-        if self.io_pending == 0 or self.s._staging.in_use >= self.s._staging.limit:
+        if self.io_pending == 0:
             return True
-        return sum(t.pool.page_bytes for t in self.completed) >= _GROUP_BYTES
+        return self.completed_bytes >= _GROUP_BYTES
+
+    def _uncommitted_bytes(self) -> int:
+        return self.committing_bytes + self.completed_bytes
 
     def _start_commit(self) -> None:
         group, self.completed = self.completed, []
+        self.committing_bytes, self.completed_bytes = self.completed_bytes, 0
         touches, self.dirty_touch = list(self.dirty_touch.items()), {}
         self.committing = True
         self.commit_q.put((group, touches))
@@ -295,10 +323,7 @@ class WriteThread:
             if s._inflight.get(t.ikey) is t:
                 del s._inflight[t.ikey]
             waiters = list(t.waiters)
-        if t.src is not None:
-            s._staging.release_tail(t.buf)
-        else:
-            s._staging.release(t.pool.extent, t.buf)
+        self._release_buffers([t])
         for op, i in waiters:
             s._finish(op, i, AckKind.DURABLE, ok)
 

@@ -111,7 +111,7 @@ def test_inflight_duplicates_are_written_once(make_store):
     assert s.stats()["counters"]["write_already_durable"] == 1 and len(writes) == 2
 
 
-def test_backpressure_blocks_submit_until_durable(make_store):
+def test_backpressure_blocks_submit_until_pages_are_written(make_store):
     gate = threading.Event()
     s = make_store(io={"max_inflight_pages": 4, "threads": 2},
                    fault_injector=lambda op, slab, slot: gate.wait(30) if op == "write" else None)
@@ -129,6 +129,45 @@ def test_backpressure_blocks_submit_until_durable(make_store):
     assert done.is_set()
     drain_until(s, lambda a: sum(x.kind is AckKind.DURABLE for x in a) == 10)
     assert s.stats()["inflight"]["staging_pages"] == 0
+
+
+def test_stuck_commit_bounds_uncommitted_writes(make_store, monkeypatch):
+    """Staging tokens return when a pwrite returns, so a hung fdatasync must still stop the writers:
+    past the uncommitted-bytes bound nothing new is written, staging fills and submit blocks."""
+    from sglang_cp.l3 import writer
+    monkeypatch.setattr(writer, "_GROUP_BYTES", 2 * P)
+    monkeypatch.setattr(writer, "_MAX_UNCOMMITTED_BYTES", 4 * P)
+    gate = threading.Event()
+    syncs, written = [], []
+
+    def injector(op, slab, slot):
+        if op == "write":
+            written.append(slot)
+        elif op == "sync":
+            syncs.append(slot)
+            gate.wait(30)
+    s = make_store(io={"max_inflight_pages": 4, "threads": 2}, fault_injector=injector)
+    done = threading.Event()
+
+    def submit():
+        s.submit_write("kv", keys(40), [page(i) for i in range(40)])
+        done.set()
+    t = threading.Thread(target=submit)
+    t.start()
+    assert not done.wait(1.0), "submit_write ran on although the commit is stuck"
+    # The first commit is stuck with its group; at most the bound's worth of pages was written on top
+    # of that group, and what is staged waits.
+    assert syncs, "no commit started"
+    assert len(written) <= 4 + 4 + 2, f"{len(written)} pages written while the commit was stuck"
+    assert s.stats()["inflight"]["staging_pages"] == 4
+    gate.set()
+    t.join(30)
+    assert done.is_set()
+    acks = drain_until(s, lambda a: sum(x.kind is AckKind.DURABLE for x in a) == 40)
+    assert all(a.ok for a in acks if a.kind is AckKind.DURABLE)
+    o = outs(40)
+    assert s.read_pages("kv", keys(40), o) == [True] * 40
+    assert all(bytes(o[i]) == page(i) for i in range(40))
 
 
 def test_delete_then_rewrite(make_store):
@@ -328,3 +367,31 @@ def test_write_pages_timeout_never_reads_caller_memory_afterwards(make_store):
     got = s.read_pages("kv", keys(8), o)
     assert not all(res)
     assert all(not g or bytes(o[i]) == page(i) for i, g in enumerate(got)), "a page picked up bytes written after return"
+
+
+def _anon_huge_kib(addr: int) -> int:
+    """AnonHugePages of the mapping that starts at `addr`, from /proc/self/smaps."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{addr:x}" or line.split("-", 1)[0] == f"{addr:012x}":
+            for entry in lines[i + 1:]:
+                if entry.startswith("AnonHugePages:"):
+                    return int(entry.split()[1])
+                if "-" in entry.split()[0]:
+                    break
+    raise AssertionError(f"mapping at {addr:#x} not found in smaps")
+
+
+def test_staging_arena_is_populated_and_on_huge_pages_where_thp_allows():
+    from sglang_cp.l3.aligned import address_of, aligned_buffer
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    buf = aligned_buffer(64 << 20, populate=True, huge=True)
+    addr = address_of(buf)
+    assert addr % 4096 == 0
+    np.frombuffer(buf, np.uint8)[:] = 7  # writable end to end
+    if "[never]" in mode:
+        pytest.skip("THP is off on this kernel: the arena is ordinary pages")
+    # defrag defaults to madvise, so the advised arena compacts on fault: most of it is huge pages.
+    assert _anon_huge_kib(addr) >= 32 << 10, f"THP mode {mode.strip()!r} but no huge pages in the arena"
+    plain = aligned_buffer(64 << 20, populate=True)
+    assert _anon_huge_kib(address_of(plain)) == 0 or "[always]" in mode
