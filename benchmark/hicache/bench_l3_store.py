@@ -297,6 +297,9 @@ def main():
                     order = paths[rep % len(paths):] + paths[:rep % len(paths)]
                     for p in order:
                         b.kv_buffer.zero_()
+                        # Settle: flush what the previous path left (its deleted files' discards ride the
+                        # next journal commit, which the next path's first fdatasync would otherwise pay).
+                        os.sync()
                         tag = f"{page_bytes}-{rep}-{time.time_ns()}"
                         if p == "raw":
                             r = run_raw(d, a, b, n, page_bytes, args.threads, progress)
@@ -344,6 +347,12 @@ def main():
                   "pages. io.max_inflight_pages = max(128, 256 MiB / page).")
     console.print("durable write: raw = O_DIRECT + fdatasync; ours = to DURABLE ack (data, fdatasync, LMDB commit); "
                   "hicache = batch_set + syncfs. W ratios use durable write.")
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        thp = "unknown"
+    console.print(f"ours' staging arena asks for transparent huge pages (THP mode here: {thp}); raw, ours-sync128 "
+                  "and hicache read from the upstream host pool's own memory. Before every path: os.sync() (settle).")
     console.print(f"exists_prefix(2048 keys): median {ex * 1e3:.3f} ms; exists_prefix_multi(2 payloads, 2048 keys): "
                   f"median {ex_multi * 1e3:.3f} ms")
     console.print("W/raw, R/raw: ratio of medians; 'paired': median over reps of (path / raw of the same rep).")
