@@ -157,6 +157,7 @@ def _load_l3_config_or_exit(path, console):
 
 def _cmd_l3_stats(ns) -> int:
     import json
+    import time
 
     from rich.table import Table
 
@@ -189,7 +190,25 @@ def _cmd_l3_stats(ns) -> int:
         console.print(f"index: {ix['entries']} entries, {ix['used_bytes'] / 1e6:.1f} MB used of a "
                       f"{ix['map_size'] / 1e9:.2f} GB map (max {ix['max_map_size'] / 1e9:.2f} GB); "
                       f"{st['unmatched_entries']} entries name no current slab slot (see `sglang-cp l3 fsck`)")
-    console.print("last cold start: not recorded on disk (the server logs it; L3Store.stats()['cold_start'])")
+    recs = st["last_cold_start"]
+    if not recs:
+        console.print("last cold start: none recorded (no store has opened these slabs yet)")
+        return 0
+    ct = Table(title="last cold start per rank (recorded by the store at open and at a runtime clear)")
+    for col in ("rank", "disk", "mode", "when", "live", "dropped", "wiped", "seconds", "by"):
+        ct.add_column(col, justify="right", no_wrap=True)
+    now = time.time()
+    for r in recs:
+        if "error" in r:
+            ct.add_row(str(r.get("rank")), r["disk"], f"[red]{r['error']}[/]", *["-"] * 6)
+            continue
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.get("drop_reasons", {}).items()))
+        ct.add_row(str(r["rank"]), r["disk"], r.get("mode", "?"),
+                   f"{max(0.0, now - r.get('finished_unix', now)):.0f} s ago", str(r.get("live", "-")),
+                   f"{r.get('dropped', 0)}" + (f" ({reasons})" if reasons else ""),
+                   str(r.get("index_entries_wiped", "-")), f"{r.get('seconds', 0):.3f}",
+                   f"{r.get('host', '?')}:{r.get('pid', '?')}")
+    console.print(ct)
     return 0
 
 

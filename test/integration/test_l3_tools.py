@@ -84,6 +84,36 @@ def test_stats_reports_occupancy_per_rank_disk_payload(l3dir):
     assert table.returncode == 0 and f"{N} / " in table.stdout
 
 
+def test_stats_shows_each_ranks_last_cold_start_from_disk(l3dir):
+    cfg_path, cfg = l3dir
+    st = json.loads(cli("l3", "stats", "--cp-l3-config", cfg_path, "--json").stdout)
+    recs = {r["rank"]: r for r in st["last_cold_start"]}
+    assert set(recs) == {0, 1} and all(r["mode"] == "clear" and r["disk"] == "local0" for r in recs.values())
+    assert recs[0]["pid"] == os.getpid()
+    # Rank 0 restarts with `load` after one of its pages lost its header: the record says what happened.
+    path0, sb = _slab(cfg, 0)
+    _, e1 = _entry(cfg, 0, b"k1")
+    _rw(path0, e1.slot * sb + PAGE_BYTES, HEADER_BYTES, bytes(HEADER_BYTES))
+    slab_dir = os.path.dirname(path0)
+    stale = os.path.join(slab_dir, "r0.cold_start.json.tmp.999999")  # a crash mid-record left this
+    open(stale, "w").write("{")
+    with L3Store(cfg, rank=0, ranks_per_node=2, payloads={"kv": PAGE_BYTES}, cold_start="load") as s:
+        live = s.stats()["cold_start"]["live"]
+    assert live == N - 1 and not os.path.exists(stale)
+    st = json.loads(cli("l3", "stats", "--cp-l3-config", cfg_path, "--json").stdout)
+    recs = {r["rank"]: r for r in st["last_cold_start"]}
+    assert recs[0]["mode"] == "load" and recs[0]["live"] == N - 1 and recs[0]["dropped"] == 1
+    assert sum(recs[0]["drop_reasons"].values()) == 1 and recs[1]["mode"] == "clear"
+    table = cli("l3", "stats", "--cp-l3-config", cfg_path)
+    assert table.returncode == 0 and "last cold start per rank" in table.stdout, table.stdout
+    assert "load" in table.stdout
+    # A damaged record is reported as such, not guessed around.
+    with open(os.path.join(cfg.disks[0].path, "sglang-cp-l3", "r1.cold_start.json"), "w") as f:
+        f.write("{torn")
+    st = json.loads(cli("l3", "stats", "--cp-l3-config", cfg_path, "--json").stdout)
+    assert "unreadable record" in {r["rank"]: r for r in st["last_cold_start"]}[1]["error"]
+
+
 def test_fsck_finds_each_kind_of_damage_and_repair_fixes_it(l3dir):
     cfg_path, cfg = l3dir
     clean = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--json")

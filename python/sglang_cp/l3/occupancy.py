@@ -8,11 +8,16 @@ and lists the slab directory; it reads no slot.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import defaultdict
 
 from .config import L3Config
 from .fsck import all_entries, find_slabs, open_index
+from .recovery import read_record
+from .store import SLAB_SUBDIR
+
+_RECORD = re.compile(r"^r(\d+)\.cold_start\.json$")
 
 
 GC_STATES = {
@@ -64,7 +69,21 @@ def collect(config: L3Config) -> dict:
         "gc_states": GC_STATES,
         "gc": {"high_watermark": config.gc.high_watermark, "low_watermark": config.gc.low_watermark,
                "max_reclaim_per_iter": config.gc.max_reclaim_per_iter},
-        # The store keeps its cold-start result in memory (L3Store.stats()["cold_start"], the server
-        # log); nothing on disk records it, so an offline tool cannot report it.
-        "last_cold_start": None,
+        "last_cold_start": cold_start_records(config),
     }
+
+
+def cold_start_records(config: L3Config) -> list[dict]:
+    """Each rank's last cold start, as the store recorded it next to its slabs (one per rank+disk)."""
+    out = []
+    for disk in config.disks:
+        sub = os.path.join(disk.path, SLAB_SUBDIR)
+        if not os.path.isdir(sub):
+            continue
+        for name in sorted(os.listdir(sub)):
+            m = _RECORD.match(name)
+            if m:
+                rec = read_record(sub, int(m.group(1)))
+                if rec is not None:
+                    out.append(dict(rec, disk=disk.name))
+    return sorted(out, key=lambda r: (r.get("rank", -1), r["disk"]))

@@ -10,6 +10,9 @@ verify: load + a full payload CRC of every live slot.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +22,47 @@ from .index import IndexEntry, LmdbIndex
 from .payload_pool import PayloadPool
 
 COLD_START_MODES = ("clear", "load", "verify")
+_RECORD_NAME = "r{rank}.cold_start.json"
+
+
+def record_path(slab_dir: str, rank: int) -> str:
+    return os.path.join(slab_dir, _RECORD_NAME.format(rank=rank))
+
+
+def write_record(slab_dir: str, rank: int, result: dict) -> None:
+    """Persist this rank's last cold start next to its slabs, so `sglang-cp l3 stats` can show it
+    offline. Atomic (temp file, fsync, rename, directory fsync): a crash leaves the old record or the
+    new one, never a torn file. Raises OSError; the caller decides whether that matters."""
+    rec = dict(result, rank=rank, finished_unix=round(time.time(), 3), pid=os.getpid(),
+               host=socket.gethostname())
+    path = record_path(slab_dir, rank)
+    stale = os.path.basename(path) + ".tmp."
+    for name in os.listdir(slab_dir):  # a crash between write and rename left one: ours, so drop it
+        if name.startswith(stale):
+            os.unlink(os.path.join(slab_dir, name))
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(rec, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(slab_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_record(slab_dir: str, rank: int) -> dict | None:
+    """The recorded last cold start of `rank`, None if there is none; a damaged record says so."""
+    try:
+        with open(record_path(slab_dir, rank)) as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        return {"rank": rank, "error": f"unreadable record ({e})"}
+    return rec if isinstance(rec, dict) else {"rank": rank, "error": "record is not a JSON object"}
 
 
 def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadPool], threads: int) -> dict:

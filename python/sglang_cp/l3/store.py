@@ -32,6 +32,7 @@ from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_k
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start
+from .recovery import write_record as write_cold_start_record
 from .staging import Staging
 from .writer import WriteThread, WriteTask
 
@@ -114,6 +115,8 @@ class L3Store:
             self._index.close()
             raise
         self._cold_start = cold_start_result
+        self._slab_dir = slab_dir
+        self._record_cold_start(cold_start_result)
 
         self._gc = {p: WatermarkPolicy(config.gc.high_watermark, config.gc.low_watermark,
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
@@ -312,6 +315,13 @@ class L3Store:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _record_cold_start(self, result: dict) -> None:
+        try:
+            write_cold_start_record(self._slab_dir, self.rank, result)
+        except OSError as e:  # observability only: the store itself is sound
+            logger.warning("L3 rank %d: could not record the cold start for `sglang-cp l3 stats` in %s (%s)",
+                           self.rank, self._slab_dir, e)
 
     # ================================================================ helpers (caller threads)
 

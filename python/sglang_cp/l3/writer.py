@@ -411,5 +411,6 @@ class WriteThread:
             box["result"] = cold_start("clear", s._index, s.rank, s._by_tag, 1)
             self.dirty_touch.clear()
             s._cold_start = dict(box["result"], mode="clear (runtime)")
+            s._record_cold_start(s._cold_start)
         finally:
             done.set()
