@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -348,7 +349,7 @@ def main():
     console.print("durable write: raw = O_DIRECT + fdatasync; ours = to DURABLE ack (data, fdatasync, LMDB commit); "
                   "hicache = batch_set + syncfs. W ratios use durable write.")
     try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        thp = escape(open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip())  # '[madvise]' is markup
     except OSError:
         thp = "unknown"
     console.print(f"ours' staging arena asks for transparent huge pages (THP mode here: {thp}); raw, ours-sync128 "
