@@ -37,8 +37,11 @@ def _check_result(out_dir, proc):
     # The working set outgrew L2 and came back from L3, in the same processes and after a restart.
     assert ph["pressure"]["l3_hit_pages"] > 0
     for name in ("reload", "restart"):
-        assert ph[name]["computed_pages"] == 0, (name, ph[name])  # everything computed was persisted
-        assert ph[name]["l3_hit_pages"] > 0 and ph[name]["l3_read_bytes"] > 0
+        # Everything computed was persisted: a page is computed again only where the replayed
+        # prefetch_threshold declined the lookup or revoked the (too short) hit.
+        p = ph[name]
+        assert p["computed_pages"] == p["l3_declined_pages"] + p["l3_revoked_pages"], (name, p)
+        assert p["l3_hit_pages"] > 0 and p["l3_read_bytes"] > 0
     assert ph["restart"]["recompute_avoided_tokens"] == ph["restart"]["l3_hit_pages"] * 64
     for cs in res["restart_cold_start"]:
         assert cs["mode"] == "load" and cs["live"] > 0 and cs["dropped"] == 0
@@ -47,16 +50,25 @@ def _check_result(out_dir, proc):
     return res
 
 
-def test_tiny_trace_replay_through_all_phases(tmp_path):
+@pytest.mark.parametrize("threshold", [256, 0])
+def test_tiny_trace_replay_through_all_phases(tmp_path, threshold):
     trace = tmp_path / "trace.jsonl"
     write_trace(generate(WorkloadSpec(system_prompts=1, system_tokens=256, documents=3, doc_tokens_min=256,
                                       doc_tokens_max=512, sessions=5, turns=2, turn_tokens=128, seed=7)),
                 str(trace))
     out = tmp_path / "out"
     proc = cachebench("--trace", str(trace), "--cp-size", "2", "--layers", "2",
-                      "--raw-mb", "16", "--out-dir", str(out))
+                      "--raw-mb", "16", "--out-dir", str(out), "--prefetch-threshold", str(threshold))
     res = _check_result(str(out), proc)
     assert res["config"]["trace"] == str(trace) and res["config"]["sharded"]
+    assert res["config"]["prefetch_threshold"] == threshold
+    ph = res["phases"].values()
+    skipped = sum(p["l3_declined_pages"] + p["l3_revoked_pages"] for p in ph)
+    if threshold:
+        # 128-token turns leave 2-page misses behind cached prefixes: the scheduler would not look them up.
+        assert skipped > 0 and f"prefetch_threshold {threshold} tokens" in proc.stdout
+    else:
+        assert skipped == 0 and all(p["computed_pages"] == 0 for p in list(ph)[2:])
 
 
 def test_usage_errors_exit_2_before_any_rank_starts(tmp_path):
@@ -66,6 +78,8 @@ def test_usage_errors_exit_2_before_any_rank_starts(tmp_path):
     bad.write_text('{"segments": [{"id": "x"}]}\n')
     p = cachebench("--trace", str(bad), "--out-dir", str(tmp_path))
     assert p.returncode == 2 and "segments[0].tokens" in p.stdout
+    p = cachebench("--prefetch-threshold", "-1", "--out-dir", str(tmp_path))
+    assert p.returncode == 2 and "--prefetch-threshold" in p.stdout
 
 
 @pytest.mark.slow

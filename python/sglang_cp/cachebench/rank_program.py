@@ -7,6 +7,9 @@ Per request, the way a HiCache scheduler serves a prefix:
    host pages allocated by ``allocate_storage_hit``), bytes checked against what was written;
 3. compute: pages neither tier had are "computed" (filled with their pattern) and backed
    up through upstream's ``write_storage``.
+The scheduler's ``prefetch_threshold`` is replayed as UnifiedRadixCache applies it: a request
+whose missing part is shorter than the threshold issues no L3 lookup (declined), and an agreed
+hit shorter than it is revoked at drain time (the pages were read, then freed and computed).
 Every decision is a function of the replicated workload and of agreed values (the MIN'd
 hit count), so all ranks take the same branch and enter the same collectives.
 """
@@ -31,9 +34,10 @@ def _pattern(h: str, k: int, n: int):
 
 
 class Bench:
-    def __init__(self, r: Rank, l2_pages: int):
+    def __init__(self, r: Rank, l2_pages: int, prefetch_threshold: int = 0):
         self.r = r
         self.l2_pages = l2_pages
+        self.prefetch_threshold = prefetch_threshold
         self.l2: collections.OrderedDict[str, object] = collections.OrderedDict()  # hash -> host idx
         self.errors: list[str] = []
 
@@ -76,9 +80,11 @@ class Bench:
         while k < n and hashes[k] in self.l2:
             k += 1
         self._evict_for(n - k, set(hashes[:k]))
-        l3 = 0
+        l3 = declined = revoked = 0
         t_read = t_write = 0.0
-        if k < n:
+        if 0 < (n - k) * PAGE < self.prefetch_threshold:
+            declined = n - k  # UnifiedRadixCache.prefetch_from_storage: "declined_too_short", no lookup
+        elif k < n:
             t0 = time.perf_counter()
             hit, completed, hi = r.prefetch(tokens[k * PAGE:], rid=rid, timeout=300,
                                             last_hash=hashes[k - 1] if k else None)
@@ -88,12 +94,17 @@ class Bench:
             if hi is not None:
                 if completed != hit:
                     self.errors.append(f"{rid}: prefetch completed {completed} of {hit} agreed tokens")
-                l3 = completed // PAGE
-                for i in range(l3):
-                    idx = hi[i * PAGE:(i + 1) * PAGE]
-                    if not self._equal(hashes[k + i], idx):
+                loaded = completed // PAGE
+                for i in range(loaded):  # revoked or not, what was read must be what was written
+                    if not self._equal(hashes[k + i], hi[i * PAGE:(i + 1) * PAGE]):
                         self.errors.append(f"{rid}: page {k + i} reloaded with wrong bytes")
-                    self.l2[hashes[k + i]] = idx
+                if 0 < completed < self.prefetch_threshold:
+                    # The drain-time check ("below_threshold"): the hit is revoked, its pages freed.
+                    revoked = loaded
+                else:
+                    l3 = loaded
+                for i in range(l3):
+                    self.l2[hashes[k + i]] = hi[i * PAGE:(i + 1) * PAGE]
                 if len(hi) > l3 * PAGE:
                     r.group.free(hi[l3 * PAGE:])
         start = k + l3
@@ -113,7 +124,8 @@ class Bench:
                 self.errors.append(f"{rid}: backup acked {backed} of {computed * PAGE} tokens")
         for h in reversed(hashes):  # the root most recent: leaves go first, as in a radix tree
             self.l2.move_to_end(h)
-        return {"pages": n, "l2": k, "l3": l3, "computed": computed, "t_read": t_read, "t_write": t_write}
+        return {"pages": n, "l2": k, "l3": l3, "computed": computed, "t_read": t_read, "t_write": t_write,
+                "l3_declined": declined, "l3_revoked": revoked}
 
 
 _ERROR_COUNTERS = ("write_errors", "read_errors", "crc_errors", "header_errors", "foreign_blobs",
@@ -134,7 +146,7 @@ def _log_to(path: str) -> None:
 
 
 def run_phases(rank, world, port, l3_config, phases, l2_pages, layers, cold_start, host_pages, sidecars,
-               log_path=None):
+               log_path=None, prefetch_threshold=0):
     """``phases``: [(name, [Request, ...])]. Returns per-request records and per-phase totals."""
     if log_path:
         _log_to(log_path.format(rank=rank))
@@ -146,7 +158,7 @@ def run_phases(rank, world, port, l3_config, phases, l2_pages, layers, cold_star
     r = Rank(rank, world, port, l3_config, sharded=world > 1, layers=layers, host_pages=host_pages,
              cold_start=cold_start, sidecars=sidecars)
     try:
-        b = Bench(r, l2_pages)
+        b = Bench(r, l2_pages, prefetch_threshold)
         records = []
         page_bytes = {"kv": r.native_host.get_data_page(0, flat=True).numel() * 2}
         for name, pool in r.sidecar_hosts.items():

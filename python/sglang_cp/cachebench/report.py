@@ -66,6 +66,9 @@ def summarize(info: dict, raw: dict, ranks: list[dict], wall: float) -> dict:
             "l3_hit_rate": l3 / pages if pages else 0.0, "l3_read_bytes": rd, "l3_write_bytes": wr,
             "l3_read_gbps": rd / t_rd / 1e9 if t_rd else None, "l3_write_gbps": wr / t_wr / 1e9 if t_wr else None,
             "recompute_avoided_tokens": l3 * PAGE,
+            # prefetch_threshold replay: misses too short to look up, and agreed hits revoked as too short.
+            "l3_declined_pages": sum(x.get("l3_declined", 0) for x in recs0),
+            "l3_revoked_pages": sum(x.get("l3_revoked", 0) for x in recs0),
             "errors": sum(x["store_errors"] for rr in per_rank for x in rr) + divergent,
             "rank_divergent_requests": divergent,
             "seconds": max(sum(x["dt"] for x in rr) for rr in per_rank),
@@ -107,6 +110,10 @@ def print_table(console, result: dict) -> None:
 
         console = Console(width=160)
     console.print(t)
+    thr = cfg.get("prefetch_threshold", 0)
+    console.print(f"prefetch_threshold {thr} tokens (replayed as the scheduler applies it): " + (", ".join(
+        f"{name} {p['l3_declined_pages']} page(s) not looked up, {p['l3_revoked_pages']} hit page(s) revoked"
+        for name, p in result["phases"].items()) if thr else "off"), soft_wrap=True)
     cs = result["restart_cold_start"]
     console.print("restart: cold start 'load' found " + ", ".join(
         f"rank {i}: {c.get('live', 0)} live / {c.get('dropped', 0)} dropped" for i, c in enumerate(cs))

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target KV only (default: with the DSA indexer-K and MTP draft KV payloads)")
     p.add_argument("--raw-mb", type=int, default=None, help="size of the raw O_DIRECT probe (MB)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before ranks count as hung")
+    p.add_argument("--prefetch-threshold", type=int, default=256,
+                   help="replay the scheduler's prefetch_threshold in tokens (upstream default 256; 0 = off): "
+                        "shorter misses issue no L3 lookup, shorter agreed hits are revoked")
 
 
 def _page_bytes(layers: int, sidecars: bool) -> int:
@@ -77,6 +80,8 @@ def run(ns) -> int:
     try:
         if ns.cp_size < 1:
             raise ValueError(f"--cp-size: must be >= 1, got {ns.cp_size}")
+        if ns.prefetch_threshold < 0:
+            raise ValueError(f"--prefetch-threshold: must be >= 0 tokens (0 = off), got {ns.prefetch_threshold}")
         layers = ns.layers or sizes["layers"]
         if layers < 1:
             raise ValueError(f"--layers: must be >= 1, got {layers}")
@@ -108,7 +113,7 @@ def run(ns) -> int:
     info = {"cp_size": ns.cp_size, "sharded": ns.cp_size > 1, "layers": layers, "sidecars": sidecars,
             "requests": len(requests), "working_set_pages": working, "l2_pages": l2_pages,
             "logical_page_bytes": page_bytes, "max_request_pages": max_req, "l3_config": cfg,
-            "trace": ns.trace, "quick": ns.quick}
+            "trace": ns.trace, "quick": ns.quick, "prefetch_threshold": ns.prefetch_threshold}
     console.print(f"cachebench: {ns.cp_size} rank(s){' sharded' if ns.cp_size > 1 else ''}, {len(requests)} "
                   f"requests, working set {working} pages ({working * page_bytes / 1e9:.2f} GB), "
                   f"L2 {l2_pages} pages, {layers} layers, L3 config {cfg}", soft_wrap=True)
@@ -126,11 +131,13 @@ def run(ns) -> int:
     t0 = time.time()
     with report.PhaseProgress(console) as progress:
         first = run_ranks(ns.cp_size, run_phases,
-                          (cfg, phases, l2_pages, layers, "clear", host_pages, sidecars, logs),
+                          (cfg, phases, l2_pages, layers, "clear", host_pages, sidecars, logs,
+                           ns.prefetch_threshold),
                           timeout=ns.timeout, on_event=progress.on_event)
         progress.note("restart: all ranks exit; new processes, --cp-l3-cold-start load")
         second = run_ranks(ns.cp_size, run_phases,
-                           (cfg, [("restart", requests)], l2_pages, layers, "load", host_pages, sidecars, logs),
+                           (cfg, [("restart", requests)], l2_pages, layers, "load", host_pages, sidecars, logs,
+                            ns.prefetch_threshold),
                            timeout=ns.timeout, on_event=progress.on_event)
     wall = time.time() - t0
     ranks = [dict(a, records=a["records"] + b["records"], errors=a["errors"] + b["errors"],
