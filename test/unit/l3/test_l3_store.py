@@ -111,17 +111,23 @@ def test_inflight_duplicates_are_written_once(make_store):
     assert s.stats()["counters"]["write_already_durable"] == 1 and len(writes) == 2
 
 
+def _submit_in_thread(store, n):
+    """submit_write of n pages on another thread (it may block on backpressure); (thread, done)."""
+    done = threading.Event()
+
+    def submit():
+        store.submit_write("kv", keys(n), [page(i) for i in range(n)])
+        done.set()
+    t = threading.Thread(target=submit)
+    t.start()
+    return t, done
+
+
 def test_backpressure_blocks_submit_until_pages_are_written(make_store):
     gate = threading.Event()
     s = make_store(io={"max_inflight_pages": 4, "threads": 2},
                    fault_injector=lambda op, slab, slot: gate.wait(30) if op == "write" else None)
-    done = threading.Event()
-
-    def submit():
-        s.submit_write("kv", keys(10), [page(i) for i in range(10)])
-        done.set()
-    t = threading.Thread(target=submit)
-    t.start()
+    t, done = _submit_in_thread(s, 10)
     assert not done.wait(0.5), "submit_write returned although 10 pages cannot fit 4 staging slots"
     assert s.stats()["inflight"]["staging_pages"] == 4
     gate.set()
@@ -147,13 +153,7 @@ def test_stuck_commit_bounds_uncommitted_writes(make_store, monkeypatch):
             syncs.append(slot)
             gate.wait(30)
     s = make_store(io={"max_inflight_pages": 4, "threads": 2}, fault_injector=injector)
-    done = threading.Event()
-
-    def submit():
-        s.submit_write("kv", keys(40), [page(i) for i in range(40)])
-        done.set()
-    t = threading.Thread(target=submit)
-    t.start()
+    t, done = _submit_in_thread(s, 40)
     assert not done.wait(1.0), "submit_write ran on although the commit is stuck"
     # The first commit is stuck with its group; at most the bound's worth of pages was written on top
     # of that group, and what is staged waits.
