@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import os
 import shutil
 import statistics
@@ -258,6 +259,17 @@ def bench_exists(d, n_keys=2048, runs=51):
 
 # ----------------------------------------------------------------------------------------- main
 
+def result_table(rows, args, what: str):
+    table = Table(title=f"L3 store vs raw O_DIRECT vs HiCacheFile, {what}: GB/s (1e9 B), median of {args.reps} "
+                        f"(min-max), {args.gib:g} GiB per case, {args.threads} I/O threads")
+    for col in ("page B", "pages", "path", "write (no sync)", "durable write", "cold read", "W/raw", "W/raw paired",
+                "R/raw", "R/raw paired", "W/hicache", "R/hicache", "bytes ok", "cache dropped"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
 def fmt(vals):
     m = statistics.median(vals)
     return f"{m:.2f} ({min(vals):.2f}-{max(vals):.2f})"
@@ -330,19 +342,17 @@ def main():
                 rows.append([f"{page_bytes:,}", f"{n}", p, fmt(gbps[p]["write"]) if p == "hicache" else "-",
                              fmt(gbps[p]["write+sync"]), fmt(gbps[p]["read"]), *ratios,
                              str(all(r["ok"] for r in res[p])), str(all(r["dropped"] for r in res[p]))])
+            # This page size's rows now: a later size that fails (e.g. host memory) must not lose them.
+            console.print(result_table(rows[-len(paths):], args, f"page {page_bytes:,} B"))
+            # The pools (and HiCacheFile's reference cycle to pool A) must be gone before the next size's
+            # pools pass upstream's host-memory check.
             del a, b
+            gc.collect()
         ex, ex_multi = bench_exists(d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
-    table = Table(title=f"L3 store vs raw O_DIRECT vs HiCacheFile: GB/s (1e9 B), median of {args.reps} (min-max), "
-                        f"{args.gib:g} GiB per case, {args.threads} I/O threads")
-    for col in ("page B", "pages", "path", "write (no sync)", "durable write", "cold read", "W/raw", "W/raw paired",
-                "R/raw", "R/raw paired", "W/hicache", "R/hicache", "bytes ok", "cache dropped"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
+    console.print(result_table(rows, args, "all page sizes"))
     console.print("ours = submit_write pipeline timed to the last DURABLE ack; ours-sync128 = write_pages per 128-page "
                   "batch (each waits for DURABLE, like upstream's storage thread); both read with read_pages per 128 "
                   "pages. io.max_inflight_pages = max(128, 256 MiB / page).")
