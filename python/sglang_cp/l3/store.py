@@ -42,8 +42,11 @@ SLAB_SUBDIR = "sglang-cp-l3"
 # Staged pages are handed to the write thread in messages of about this size: big enough to keep
 # per-message overhead low, small enough that disk I/O starts while the caller is still copying.
 _MESSAGE_BYTES = 8 << 20
-# A coalesced read covers consecutive slots up to this many bytes (one preadv).
-_READ_IO_BYTES = 1 << 20
+# A coalesced read covers consecutive slots up to this many bytes (one preadv), while keeping at least
+# 2 x io.threads requests per batch. Each request costs Python work (submit, GIL, verify); at 1 MiB pages
+# one page per request read 0.90x raw over 4 GiB, three per request 0.97x. At 64 KiB pages the request
+# count bound keeps requests near 1 MiB (fewer, larger ones read slower there: 1.35x vs 1.46x raw).
+_READ_IO_BYTES = 4 << 20
 
 COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages", "write_already_durable", "write_errors",
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
@@ -402,10 +405,10 @@ class L3Store:
         return op
 
     def _read_runs(self, pool: PayloadPool, todo: list[tuple[int, int]], views: list) -> list:
-        """Group pages of consecutive slots into coalesced reads (<= 1 MiB, and at least io.threads
-        requests when there is enough work), like the write path does."""
+        """Group pages of consecutive slots into coalesced reads (<= _READ_IO_BYTES, and at least
+        2 x io.threads requests when there is enough work)."""
         threads = self.config.io.threads
-        per_io = max(1, min(_READ_IO_BYTES // pool.extent, -(-len(todo) // threads),
+        per_io = max(1, min(_READ_IO_BYTES // pool.extent, -(-len(todo) // (2 * threads)),
                             self._read_permits // 2))
         runs, run = [], []
         for slot, i in todo:
