@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .store import L3Store
 
 # A coalesced write covers consecutive slots up to this many bytes (one pwritev).
-_MAX_IO_BYTES = 1 << 20
+_MAX_IO_BYTES = 4 << 20
 # While writes are still in flight, a group commits at this size (bounds DURABLE ack latency).
 _GROUP_BYTES = 256 << 20
 # Written but not yet committed bytes above which no new write is dispatched. Staging tokens come back

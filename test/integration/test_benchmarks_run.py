@@ -1,0 +1,37 @@
+"""The benchmarks under benchmark/ still run end to end (tiny sizes): their numbers are only
+trusted in full runs, but a script that no longer starts or that compares wrong bytes must
+fail CI, not the next person who needs the figures."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_l3_store_smoke(disk_tmp):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_store.py"), "--dir", str(disk_tmp),
+         "--gib", "0.005", "--reps", "1", "--page-sizes", "65536"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│") and "65,536" in line]
+    # One table after the page size, one at the end: 4 paths each; every path read back the exact bytes.
+    assert len(rows) == 8, proc.stdout[-3000:]
+    assert {row.split("│")[3].strip() for row in rows} == {"raw", "ours", "ours-sync128", "hicache"}
+    assert all(row.split("│")[13].strip() == "True" for row in rows), proc.stdout[-3000:]
+    assert "exists_prefix(2048 keys): median" in proc.stdout
+
+
+def test_bench_cp_l3_smoke(disk_tmp):
+    out = disk_tmp / "cp.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+         str(disk_tmp), "--json", str(out)],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    # The script exits non-zero when any rank reloads wrong bytes or fewer tokens than it wrote.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    names = [s["name"] for s in json.loads(out.read_text())]
+    assert any("file" in n for n in names) and sum("ours" in n for n in names) >= 2, names
