@@ -1,4 +1,4 @@
-"""Bounded staging memory of the write path (GATHERED copies wait here until DURABLE)."""
+"""Bounded staging memory of the write path (GATHERED copies wait here until their pwrite returns)."""
 
 from __future__ import annotations
 
