@@ -28,8 +28,8 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[4])
     from test_l3_crash import content, make_config
     from sglang_cp.l3 import AckKind, L3Store
-    root, gen, gc = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-    s = L3Store(make_config(root, gc), rank=0, ranks_per_node=1, payloads={"kv": 16384, "ix": 5000},
+    root, gen, gc, cap = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", float(sys.argv[5])
+    s = L3Store(make_config(root, gc, cap), rank=0, ranks_per_node=1, payloads={"kv": 16384, "ix": 5000},
                 cold_start="load")
     log = os.open(os.path.join(root, "acked.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     rnd = random.Random(gen)
@@ -73,9 +73,15 @@ def content(payload: str, key: bytes, size: int) -> bytes:
     return (seed * (size // 32 + 1))[:size]
 
 
-def make_config(root: str, gc: bool):
+def no_gc_capacity_gb(n_kills: int) -> float:
+    # Room for every page the children write, below GC's threshold: 100 children wrote ~31k pages per
+    # payload here (1 GB reached GC); the premise is re-checked after every kill (check_store).
+    return 1.0 if n_kills <= 20 else 4.0
+
+
+def make_config(root: str, gc: bool, no_gc_cap: float = 1.0):
     # Without GC pressure every acked page must survive; with it, pages may be reclaimed, never corrupted.
-    cap = 0.004 if gc else 1.0
+    cap = 0.004 if gc else no_gc_cap
     return parse_l3_config({
         "index": {"dir": os.path.join(root, "idx"), "map_size_gb": 0.004},
         "durability": {"plp_policy": "ignore"},
@@ -94,9 +100,9 @@ def read_acked(root):
     return {tuple(line.split(b" ", 1)) for line in lines}
 
 
-def check_store(root, gc, gens, full, rnd):
+def check_store(root, gc, gens, full, rnd, cap=1.0):
     """full: check every page ever acked; else this generation's acks + a sample of older ones."""
-    s = L3Store(make_config(root, gc), rank=0, ranks_per_node=1, payloads=PAYLOADS, cold_start="load")
+    s = L3Store(make_config(root, gc, cap), rank=0, ranks_per_node=1, payloads=PAYLOADS, cold_start="load")
     try:
         acked = read_acked(root)
         if not full:
@@ -109,6 +115,14 @@ def check_store(root, gc, gens, full, rnd):
         assert len(slots) == len(set(slots)), "two index entries share a slot"
         for p in s._pools.values():
             assert p.slots.used == len(p.lru) == sum(1 for _, e in entries if e.payload_tag == p.tag)
+            if not gc:
+                # The premise of "every acked page survives" is that GC never ran: every page ever
+                # written (acked, plus at most one staging window in flight at each kill) stayed below
+                # the GC threshold. A faster writer breaks it silently, so check it first.
+                ever = sum(1 for pl, _ in read_acked(root) if pl == p.name.encode()) + 64 * len(gens)
+                assert ever < s.config.gc.high_watermark * p.slots.num_slots, (
+                    f"{p.name}: up to {ever} pages written into {p.slots.num_slots} slots, so GC may have "
+                    "reclaimed acked pages; raise make_config's no-GC capacity")
         served = wrong = 0
         for payload, size in PAYLOADS.items():
             cand = sorted({k for p, k in acked if p == payload.encode()} |
@@ -134,9 +148,10 @@ def run_kills(root, n_kills, gc, seed=0):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
     rnd = random.Random(seed)
+    cap = no_gc_capacity_gb(n_kills)
     total_acked = 0
     for gen in range(n_kills):
-        p = subprocess.Popen([sys.executable, "-c", CHILD, root, str(gen), "1" if gc else "0", here],
+        p = subprocess.Popen([sys.executable, "-c", CHILD, root, str(gen), "1" if gc else "0", here, str(cap)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = p.stdout.readline().strip()
         assert line == "ready", p.stderr.read()
@@ -147,7 +162,7 @@ def run_kills(root, n_kills, gc, seed=0):
             pass
         p.send_signal(signal.SIGKILL)
         p.wait()
-        check_store(root, gc, list(range(gen + 1)), full=gen == n_kills - 1, rnd=rnd)
+        check_store(root, gc, list(range(gen + 1)), full=gen == n_kills - 1, rnd=rnd, cap=cap)
         total_acked = len(read_acked(root))
     assert total_acked > n_kills, "the children should have made progress"
     return total_acked
