@@ -8,16 +8,13 @@ and lists the slab directory; it reads no slot.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections import defaultdict
 
 from .config import L3Config
 from .fsck import all_entries, find_slabs, open_index
-from .recovery import read_record
+from .recovery import read_records
 from .store import SLAB_SUBDIR
-
-_RECORD = re.compile(r"^r(\d+)\.cold_start\.json$")
 
 
 GC_STATES = {
@@ -80,10 +77,5 @@ def cold_start_records(config: L3Config) -> list[dict]:
         sub = os.path.join(disk.path, SLAB_SUBDIR)
         if not os.path.isdir(sub):
             continue
-        for name in sorted(os.listdir(sub)):
-            m = _RECORD.match(name)
-            if m:
-                rec = read_record(sub, int(m.group(1)))
-                if rec is not None:
-                    out.append(dict(rec, disk=disk.name))
+        out.extend(dict(rec, disk=disk.name) for rec in read_records(sub))
     return sorted(out, key=lambda r: (r.get("rank", -1), r["disk"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from .payload_pool import PayloadPool
 
 COLD_START_MODES = ("clear", "load", "verify")
 _RECORD_NAME = "r{rank}.cold_start.json"
+_RECORD_RE = re.compile(r"^r(\d+)\.cold_start\.json$")
 
 
 def record_path(slab_dir: str, rank: int) -> str:
@@ -125,3 +127,9 @@ def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadP
         pool.owner = {e.slot: k for k, e in items}
     return {"mode": mode, "scanned": len(entries), "live": sum(len(v) for v in live.values()),
             "dropped": len(doomed), "drop_reasons": reasons, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def read_records(slab_dir: str) -> list[dict]:
+    """Every rank's recorded last cold start in `slab_dir`, by rank."""
+    ranks = sorted(int(m.group(1)) for m in map(_RECORD_RE.match, os.listdir(slab_dir)) if m)
+    return [rec for rec in (read_record(slab_dir, r) for r in ranks) if rec is not None]

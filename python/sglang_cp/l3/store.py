@@ -31,8 +31,7 @@ from .gc import WatermarkPolicy
 from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
-from .recovery import COLD_START_MODES, cold_start
-from .recovery import write_record as write_cold_start_record
+from .recovery import COLD_START_MODES, cold_start, write_record as write_cold_start_record
 from .staging import Staging
 from .writer import WriteThread, WriteTask
 
