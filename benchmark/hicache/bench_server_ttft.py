@@ -1,0 +1,333 @@
+"""Time to first token on a real SGLang server: recompute vs L2 (host) hit vs L3 restore.
+
+For each model and prompt length, in one run:
+
+1. the raw O_DIRECT read (and write) speed of the L3 disk directory, measured before the
+   servers start and again at the end (``sglang_cp.cachebench.rawdisk``);
+2. server A (``--enable-hierarchical-cache --enable-cp-l3``, cold start ``clear``):
+   every prompt once (**recompute**), then every prompt again after the device pool has
+   evicted it (``--max-total-tokens`` holds about one longest prompt): **L2 hit**, the KV
+   comes back from the host pool; every page is spilled to L3 (write-through);
+3. server A stops (the whole process exits), server B starts with cold start ``load`` and
+   an empty host pool: every prompt again, **L3 restore** (prefetch from L3 into the host
+   pool, then to the device), then once more as a pure device hit (the compute floor: the
+   time a request takes when its KV is already on the GPU).
+
+TTFT is the latency of a ``/generate`` with ``max_new_tokens=1``. Each request's
+``cached_tokens_details`` says where its cache came from; a row counts only requests that
+came from the path it names. The restore rate is the bytes read from L3 for a request
+divided by its restore time (L3-restore TTFT minus the compute floor of the same prompt),
+also shown against the raw disk read speed of the same run.
+
+    python benchmark/hicache/bench_server_ttft.py run --model glm5:8192,32768 \\
+        --model small:8192,32768,131072 --work-dir /path/on/nvme --out-dir out/ttft
+    python benchmark/hicache/bench_server_ttft.py report out/a/ttft.json out/b/ttft.json --out-dir out/ttft
+
+``run`` writes ``ttft.json``, ``ttft.png`` and prints the table; ``report`` merges the
+JSON of several runs (e.g. one model per run) into one table and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODELS = {
+    "glm5": os.path.join(HERE, "models", "glm5-shaped-78l"),
+    "small": os.path.join(HERE, "models", "mla-h4096-32l"),
+}
+PAGE = 64
+GB = 1e9
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """Bytes of KV one token leaves per layer x layers (bf16; MLA latent row or K+V)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    layers = c["num_hidden_layers"]
+    if "kv_lora_rank" in c:
+        row = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    else:
+        row = 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
+    return 2 * row * layers
+
+
+def prompt(n: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 30000) for _ in range(n)]
+
+
+def write_l3_toml(root: str, capacity_gb: float, threads: int) -> str:
+    index, data = os.path.join(root, "index"), os.path.join(root, "data")
+    for d in (index, data):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    path = os.path.join(root, "l3.toml")
+    with open(path, "w") as f:
+        f.write(f'[index]\ndir = "{index}"\nmap_size_gb = 1.0\nmax_map_size_gb = 8.0\n'
+                f'[durability]\nplp_policy = "ignore"\n'
+                f'[io]\nthreads = {threads}\nmax_inflight_pages = 256\n'
+                f'[[disks]]\nname = "d0"\npath = "{data}"\ncapacity_gb = {capacity_gb:.1f}\n')
+    return path
+
+
+def med(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+
+def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
+    model = MODELS.get(name, name)
+    per_tok = kv_bytes_per_token(model)
+    lengths = sorted(lengths)
+    reps = args.reps
+    work = os.path.join(args.work_dir, f"ttft-{os.path.basename(model)}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work, mode=0o700)
+    working_set = sum(lengths) * reps * per_tok
+    capacity = max(4.0, 1.3 * working_set / GB)
+    free = shutil.disk_usage(work).free / GB
+    if free < capacity + 5:
+        raise SystemExit(f"--work-dir {args.work_dir}: {free:.0f} GB free, the L3 slabs need {capacity:.0f} GB")
+    host_gb = args.hicache_size or max(4, int(1.25 * working_set / GB) + 2)
+    cfg = write_l3_toml(work, capacity, args.io_threads)
+    data_dir = os.path.join(work, "data")
+    res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
+           "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout}
+
+    log(f"[{name}] raw disk probe ({args.raw_gib} GiB O_DIRECT, {args.io_threads} threads) in {data_dir}")
+    raw0 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
+    log(f"[{name}] raw: write {raw0['write_gbps']:.2f} GB/s, read {raw0['read_gbps']:.2f} GB/s")
+
+    P = {L: [prompt(L, 1000 * L + i) for i in range(reps)] for L in lengths}
+    max_total = int(max(lengths) * 1.25) + 2 * PAGE
+    common = dict(context_length=max(lengths) + 256, max_total_tokens=max_total,
+                  mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout)
+
+    def flags(cold):
+        return ["--enable-hierarchical-cache", "--hicache-size", str(host_gb),
+                "--hicache-mem-layout", args.mem_layout,
+                "--hicache-write-policy", "write_through",
+                "--hicache-storage-prefetch-policy", "wait_complete",
+                "--enable-cp-l3", "--cp-l3-config", cfg, "--cp-l3-cold-start", cold]
+
+    def warm(s):  # JIT-compile the no-prefix and the prefix kernels before timing
+        w = prompt(512, 7)
+        s.generate(w, 1)
+        s.generate(w + [5] * PAGE, 1)
+
+    def rec(r, L):
+        return {"tokens": L, "ttft_s": r.latency_s, "first_token": (r.output_ids or [None])[0],
+                "device": r.device_tokens, "host": r.host_tokens, "storage": r.storage_tokens}
+
+    rows = {"recompute": [], "l2": [], "l3": [], "device": []}
+    a = ServerProcess(model, flags("clear"), log_path=os.path.join(args.out_dir, f"{name}-A.log"), **common)
+    a.start()
+    res["startup_s_A"] = round(a.startup_s, 1)
+    try:
+        warm(a)
+        for L in lengths:
+            for i, p in enumerate(P[L]):
+                r = a.generate(p, 1)
+                rows["recompute"].append(rec(r, L))
+                log(f"[{name}] recompute {L} #{i}: {r.latency_s:.3f} s {r.cached_details}")
+        for L in lengths:
+            for i, p in enumerate(P[L]):
+                r = a.generate(p, 1)
+                rows["l2"].append(rec(r, L))
+                log(f"[{name}] re-send   {L} #{i}: {r.latency_s:.3f} s {r.cached_details}")
+        want = sum((L - 1) // PAGE for L in lengths) * reps
+        t = time.monotonic()
+        spilled = a.wait_metric("sglang:cp_l3_spill_pages_total", lambda v: v >= want, args.spill_timeout)
+        res["spill"] = {"pages_wanted": want, "pages_spilled": spilled, "wait_s": round(time.monotonic() - t, 1)}
+        res["metrics_A"] = {k: v for k, v in a.metrics().items() if k.startswith("sglang:cp_l3")}
+        log(f"[{name}] spilled {spilled:.0f}/{want} pages")
+    finally:
+        a.stop()
+
+    b = ServerProcess(model, flags("load"), log_path=os.path.join(args.out_dir, f"{name}-B.log"), **common)
+    b.start()
+    res["startup_s_B"] = round(b.startup_s, 1)
+    try:
+        warm(b)
+        for L in lengths:
+            for i, p in enumerate(P[L]):
+                before = b.metrics().get("sglang:cp_l3_reload_bytes_total", 0.0)
+                r = b.generate(p, 1)
+                row = rec(r, L)
+                time.sleep(1.2)  # the cp_l3 counters are published every second
+                row["reload_bytes"] = b.metrics().get("sglang:cp_l3_reload_bytes_total", 0.0) - before
+                rows["l3"].append(row)
+                d = b.generate(p, 1)
+                rows["device"].append(rec(d, L))
+                log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
+                    f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s")
+        res["metrics_B"] = {k: v for k, v in b.metrics().items() if k.startswith("sglang:cp_l3")}
+    finally:
+        b.stop()
+
+    raw1 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
+    log(f"[{name}] raw (end): write {raw1['write_gbps']:.2f} GB/s, read {raw1['read_gbps']:.2f} GB/s")
+    res["raw"] = [raw0, raw1]
+    res["rows"] = rows
+    shutil.rmtree(work, ignore_errors=True)
+    return res
+
+
+def summarize(res: dict) -> list:
+    """One table row per (model, length) from a run_model() result."""
+    raw_read = statistics.mean(r["read_gbps"] for r in res["raw"])
+    out = []
+    for L in res["lengths"]:
+        cached = (L - 1) // PAGE * PAGE
+
+        def pick(path, ok):
+            return [r for r in res["rows"][path] if r["tokens"] == L and ok(r)]
+
+        rec = pick("recompute", lambda r: r["device"] + r["host"] + r["storage"] == 0)
+        l2 = pick("l2", lambda r: r["host"] >= 0.9 * cached)
+        l3 = pick("l3", lambda r: r["storage"] >= 0.9 * cached)
+        floors = [r for r in res["rows"]["device"] if r["tokens"] == L]
+        rates, raw_ratio = [], []
+        for r, f in zip([r for r in res["rows"]["l3"] if r["tokens"] == L], floors):
+            if r["storage"] >= 0.9 * cached and r["reload_bytes"] > 0:
+                t = max(1e-6, r["ttft_s"] - f["ttft_s"])
+                rates.append(r["reload_bytes"] / t / GB)
+        same = [a["first_token"] == b["first_token"]
+                for a, b in zip(pick("recompute", lambda r: True), pick("l3", lambda r: True))]
+        out.append({
+            "model": res["model"], "tokens": L,
+            "recompute": med([r["ttft_s"] for r in rec]),
+            "l2": med([r["ttft_s"] for r in l2]),
+            "l3": med([r["ttft_s"] for r in l3]),
+            "device_floor": med([r["ttft_s"] for r in floors]),
+            "restored_gb": med([r["reload_bytes"] / GB for r in pick("l3", lambda r: True)]),
+            "restore_gbps": med(rates),
+            "raw_read_gbps": raw_read,
+            "restore_x_raw": (statistics.median(rates) / raw_read) if rates else None,
+            "speedup_l3_vs_recompute": (statistics.median([r["ttft_s"] for r in rec])
+                                        / statistics.median([r["ttft_s"] for r in l3])) if rec and l3 else None,
+            "same_first_token": all(same) if same else None,
+        })
+    return out
+
+
+def fmt(m, unit=""):
+    if not m:
+        return "-"
+    return f"{m['median']:.3f}{unit} ({m['min']:.3f}-{m['max']:.3f})"
+
+
+def render(results: list, out_dir: str) -> None:
+    rows = [r for res in results for r in summarize(res)]
+    head = ["model", "tokens", "recompute TTFT s", "L2 hit TTFT s", "L3 restore TTFT s", "L3 vs recompute",
+            "device-hit TTFT s", "restored GB", "restore GB/s", "raw read GB/s", "restore x raw", "same token"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["model"], f"{r['tokens']:,}", fmt(r["recompute"]), fmt(r["l2"]), fmt(r["l3"]),
+            f"{r['speedup_l3_vs_recompute']:.2f}x" if r["speedup_l3_vs_recompute"] else "-",
+            fmt(r["device_floor"]),
+            f"{r['restored_gb']['median']:.2f}" if r["restored_gb"] else "-",
+            fmt(r["restore_gbps"]), f"{r['raw_read_gbps']:.2f}",
+            f"{r['restore_x_raw']:.2f}x" if r["restore_x_raw"] else "-",
+            {True: "yes", False: "NO", None: "-"}[r["same_first_token"]]]) + " |")
+    table = "\n".join(lines)
+    print(table, flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "ttft.json"), "w") as f:
+        json.dump({"runs": results, "summary": rows}, f, indent=1)
+    with open(os.path.join(out_dir, "ttft.md"), "w") as f:
+        f.write(table + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no PNG")
+        return
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        mr = [r for r in rows if r["model"] == m]
+        for key, label in (("recompute", "recompute"), ("l2", "L2 (host) hit"), ("l3", "L3 restore after restart"),
+                           ("device_floor", "device hit")):
+            pts = [(r["tokens"], r[key]) for r in mr if r[key]]
+            if pts:
+                x = [p[0] for p in pts]
+                y = [p[1]["median"] for p in pts]
+                lo = [p[1]["median"] - p[1]["min"] for p in pts]
+                hi = [p[1]["max"] - p[1]["median"] for p in pts]
+                ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT (s), median, min-max")
+        ax.set_title(m)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "ttft.png"), dpi=120)
+    log(f"wrote {os.path.join(out_dir, 'ttft.json')}, ttft.md and ttft.png")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="start servers and measure")
+    r.add_argument("--model", action="append", required=True,
+                   help="NAME:LEN,LEN,... with NAME in %s or a model directory" % sorted(MODELS))
+    r.add_argument("--reps", type=int, default=3, help="distinct prompts per length")
+    r.add_argument("--work-dir", required=True, help="directory on the L3 disk (slabs and index go here)")
+    r.add_argument("--out-dir", default="out/ttft")
+    r.add_argument("--hicache-size", type=int, default=0, help="host pool GB (default: sized to the prompts)")
+    r.add_argument("--mem-layout", default="page_first", choices=["page_first", "layer_first"])
+    r.add_argument("--mem-fraction", type=float, default=0.8)
+    r.add_argument("--io-threads", type=int, default=8)
+    r.add_argument("--raw-gib", type=float, default=4.0)
+    r.add_argument("--startup-timeout", type=float, default=600)
+    r.add_argument("--spill-timeout", type=float, default=300)
+    p = sub.add_parser("report", help="merge ttft.json files into one table and plot")
+    p.add_argument("json", nargs="+")
+    p.add_argument("--out-dir", default="out/ttft")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "report":
+        results = []
+        for path in args.json:
+            with open(path) as f:
+                results += json.load(f)["runs"]
+        render(results, args.out_dir)
+        return 0
+
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+    from sglang_cp.cachebench import rawdisk
+    from sglang_cp.server_process import ServerProcess, ServerStartError
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    results = []
+    for spec in args.model:
+        name, _, lens = spec.partition(":")
+        lengths = [int(x) for x in lens.split(",") if x] or [8192, 32768, 131072]
+        try:
+            results.append(run_model(name, lengths, args, ServerProcess, rawdisk))
+        except ServerStartError as e:
+            log(f"[{name}] server did not start: {e}")
+            results.append({"model": name, "error": str(e)[-3000:]})
+        render([x for x in results if "rows" in x], args.out_dir)
+        with open(os.path.join(args.out_dir, "ttft-raw.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""One real ``python -m sglang.launch_server`` child, driven the way a user drives it.
+
+The GPU tests (``test/gpu/test_server_*.py``) and the TTFT benchmark
+(``benchmark/hicache/bench_server_ttft.py``) start servers through this module so that
+every wait has a bound and nothing outlives its owner:
+
+- the server runs in its own process group (``start_new_session``), so a stop reaches the
+  scheduler and detokenizer children too, and a SIGKILL of the group is a real crash;
+- startup waits for ``/health`` or for the process to exit, at most ``startup_timeout_s``;
+- every HTTP call has a timeout; ``stop()`` escalates SIGTERM -> SIGKILL within a bound.
+
+Requests send ``input_ids`` (``--skip-tokenizer-init``: the dummy-weight models ship no
+tokenizer). Imports no sglang: it talks to the server over HTTP only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+# What a dummy-weight server needs on any CUDA box with sglang installed normally: no
+# tokenizer, no CUDA graphs (capture costs minutes per start and changes nothing we test),
+# the portable triton attention backend, page size 64 (the L3 page unit of the seeds).
+BASE_ARGS = (
+    "--load-format", "dummy", "--skip-tokenizer-init", "--sampling-backend", "pytorch",
+    "--disable-cuda-graph", "--page-size", "64", "--enable-metrics", "--random-seed", "0",
+    "--trust-remote-code",
+)
+ATTENTION_BACKEND_ENV = "SGLANG_CP_TEST_ATTENTION_BACKEND"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time; carries its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class GenResult:
+    output_ids: list
+    meta_info: dict
+    latency_s: float
+
+    @property
+    def cached_details(self) -> dict:
+        return self.meta_info.get("cached_tokens_details") or {}
+
+    @property
+    def storage_tokens(self) -> int:
+        return int(self.cached_details.get("storage") or 0)
+
+    @property
+    def host_tokens(self) -> int:
+        return int(self.cached_details.get("host") or 0)
+
+    @property
+    def device_tokens(self) -> int:
+        return int(self.cached_details.get("device") or 0)
+
+
+@dataclass
+class ServerProcess:
+    model_path: str
+    extra_args: list = field(default_factory=list)
+    log_path: str = "server.log"
+    env: Optional[dict] = None
+    startup_timeout_s: float = 600.0
+    port: int = 0
+    context_length: int = 16384
+    max_total_tokens: int = 65536
+    mem_fraction_static: float = 0.5
+
+    def __post_init__(self):
+        self.port = self.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.startup_s: Optional[float] = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def command(self) -> list:
+        backend = os.environ.get(ATTENTION_BACKEND_ENV, "triton")
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                *BASE_ARGS, "--attention-backend", backend, "--port", str(self.port),
+                "--context-length", str(self.context_length),
+                "--max-total-tokens", str(self.max_total_tokens),
+                "--mem-fraction-static", str(self.mem_fraction_static), *map(str, self.extra_args)]
+
+    def spawn(self) -> "ServerProcess":
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(self.log_path, "ab")
+        self._log.write(("\n$ " + " ".join(self.command()) + "\n").encode())
+        self._log.flush()
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
+
+    def start(self) -> "ServerProcess":
+        self.spawn()
+        deadline = self.t0 + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._wait_group_gone(30)
+                self._log.close()
+                raise ServerStartError(f"server exited with {self.proc.returncode} after "
+                                       f"{time.monotonic() - self.t0:.0f} s:\n{self.log_tail()}")
+            try:
+                if self._get("/health", timeout=2).status == 200:
+                    self.startup_s = time.monotonic() - self.t0
+                    return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise ServerStartError(f"server not healthy within {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def wait_exit(self, timeout_s: float) -> Optional[int]:
+        """Exit code of a server expected to stop by itself (a startup error), or None."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group: SIGKILL here is a crash of every server process."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            self._wait_group_gone(30)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)  # children left behind by a graceful exit, if any
+        if not self._log.closed:
+            self._log.close()
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    # ---- HTTP ------------------------------------------------------------------------
+    def _get(self, path: str, timeout: float):
+        return urllib.request.urlopen(self.url + path, timeout=timeout)
+
+    def _post(self, path: str, body: Optional[dict], timeout: float) -> tuple[int, bytes]:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def generate(self, input_ids: list, max_new_tokens: int = 8, timeout_s: float = 600.0) -> GenResult:
+        t = time.perf_counter()
+        status, raw = self._post("/generate", {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}, timeout_s)
+        dt = time.perf_counter() - t
+        if status != 200:
+            raise RuntimeError(f"/generate -> HTTP {status}: {raw[:2000]!r}")
+        j = json.loads(raw)
+        return GenResult(output_ids=j.get("output_ids"), meta_info=j.get("meta_info", {}), latency_s=dt)
+
+    def flush_cache(self, timeout_s: float = 120.0) -> None:
+        status, raw = self._post("/flush_cache", None, timeout_s)
+        if status != 200:
+            raise RuntimeError(f"/flush_cache -> HTTP {status}: {raw[:500]!r}")
+
+    def metrics(self, timeout_s: float = 10.0) -> dict:
+        """``/metrics`` as {name: summed value over all label sets} (counters and gauges)."""
+        with self._get("/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+        return parse_metrics(text)
+
+    def wait_metric(self, name: str, ok: Callable[[float], bool], timeout_s: float = 60.0) -> float:
+        """Poll until ``ok(value)``; our counters are published by a 1 s thread, so a read
+        right after an event can lag. Returns the last value (the caller asserts)."""
+        deadline = time.monotonic() + timeout_s
+        v = self.metrics().get(name, 0.0)
+        while not ok(v) and time.monotonic() < deadline:
+            time.sleep(0.25)
+            v = self.metrics().get(name, 0.0)
+        return v
+
+
+def parse_metrics(text: str) -> dict:
+    out: dict = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
