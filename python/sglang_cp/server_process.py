@@ -82,6 +82,7 @@ class ServerProcess:
     context_length: int = 16384
     max_total_tokens: int = 65536
     mem_fraction_static: float = 0.5
+    attention_backend: Optional[str] = None  # default: $SGLANG_CP_TEST_ATTENTION_BACKEND or triton
 
     def __post_init__(self):
         self.port = self.port or free_port()
@@ -91,7 +92,7 @@ class ServerProcess:
 
     # ---- lifecycle -------------------------------------------------------------------
     def command(self) -> list:
-        backend = os.environ.get(ATTENTION_BACKEND_ENV, "triton")
+        backend = self.attention_backend or os.environ.get(ATTENTION_BACKEND_ENV, "triton")
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
                 *BASE_ARGS, "--attention-backend", backend, "--port", str(self.port),
                 "--context-length", str(self.context_length),
@@ -202,11 +203,13 @@ class ServerProcess:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def generate(self, input_ids: list, max_new_tokens: int = 8, timeout_s: float = 600.0) -> GenResult:
+    def generate(self, input_ids: list, max_new_tokens: int = 8, timeout_s: float = 600.0,
+                 extra: Optional[dict] = None) -> GenResult:
+        """Greedy ``/generate``; ``extra`` adds request fields (e.g. PD bootstrap fields)."""
+        body = {"input_ids": list(input_ids),
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **(extra or {})}
         t = time.perf_counter()
-        status, raw = self._post("/generate", {
-            "input_ids": list(input_ids),
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}, timeout_s)
+        status, raw = self._post("/generate", body, timeout_s)
         dt = time.perf_counter() - t
         if status != 200:
             raise RuntimeError(f"/generate -> HTTP {status}: {raw[:2000]!r}")
@@ -218,11 +221,17 @@ class ServerProcess:
         if status != 200:
             raise RuntimeError(f"/flush_cache -> HTTP {status}: {raw[:500]!r}")
 
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        with self._get("/metrics", timeout=timeout_s) as r:
+            return r.read().decode()
+
     def metrics(self, timeout_s: float = 10.0) -> dict:
         """``/metrics`` as {name: summed value over all label sets} (counters and gauges)."""
-        with self._get("/metrics", timeout=timeout_s) as r:
-            text = r.read().decode()
-        return parse_metrics(text)
+        return parse_metrics(self.metrics_text(timeout_s))
+
+    def metric_by_label(self, name: str, label: str) -> dict:
+        """{label value: summed value} of one metric, e.g. per ``cp_rank``."""
+        return parse_metrics(self.metrics_text(), by_label=label).get(name, {})
 
     def wait_metric(self, name: str, ok: Callable[[float], bool], timeout_s: float = 60.0) -> float:
         """Poll until ``ok(value)``; our counters are published by a 1 s thread, so a read
@@ -235,15 +244,25 @@ class ServerProcess:
         return v
 
 
-def parse_metrics(text: str) -> dict:
+def parse_metrics(text: str, by_label: Optional[str] = None) -> dict:
+    """Prometheus text -> {name: sum over label sets}, or with ``by_label`` ->
+    {name: {that label's value: sum}} (series without the label are left out)."""
     out: dict = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
+        name, _, labels = name_labels.partition("{")
         try:
-            out[name] = out.get(name, 0.0) + float(value)
+            v = float(value)
         except ValueError:
             continue
+        if by_label is None:
+            out[name] = out.get(name, 0.0) + v
+            continue
+        for part in labels.rstrip("}").split(","):
+            k, _, lv = part.partition("=")
+            if k.strip() == by_label:
+                d = out.setdefault(name, {})
+                d[lv.strip('"')] = d.get(lv.strip('"'), 0.0) + v
     return out

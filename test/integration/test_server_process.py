@@ -33,3 +33,12 @@ def test_parse_metrics_sums_label_sets_and_skips_comments():
             'sglang:cp_l3_used_slots{payload="kv"} 7\n')
     m = parse_metrics(text)
     assert m["sglang:cp_l3_spill_pages_total"] == 63.0 and m["sglang:cp_l3_used_slots"] == 7.0
+
+
+def test_parse_metrics_by_label():
+    text = ('sglang:cp_l3_used_slots{cp_rank="0",payload="kv"} 32\n'
+            'sglang:cp_l3_used_slots{cp_rank="1",payload="kv"} 31\n'
+            'sglang:cp_l3_used_slots{cp_rank="1",payload="ix"} 1\n'
+            'sglang:num_requests_total 5\n')
+    m = parse_metrics(text, by_label="cp_rank")
+    assert m == {"sglang:cp_l3_used_slots": {"0": 32.0, "1": 32.0}}

@@ -1,0 +1,125 @@
+"""CP-sharded L3 in a real PD prefill server on two GPUs.
+
+Upstream runs ``--enable-kv-cache-sharding`` only on a PD prefill worker, with a real
+transfer backend (mooncake or nixl) and, on sm90 for non-DSA models, the ``fa3`` prefill
+backend (``arg_groups/kv_shard_hook.py``). So this test starts what a user would: a
+prefill worker with ``--tp 2 --enable-prefill-cp --attn-cp-size 2`` plus KV sharding,
+HiCache and our L3 (placement assert on), a decode worker on the same two GPUs, and
+sends each request to both with the same bootstrap room (what the PD router does).
+
+It checks that each CP rank's L3 holds only its own stripe (per-rank slot counts), that a
+prefill restart with cold start ``load`` serves the prefix from storage with identical
+output ids, and that the placement assert never fires. Skips without two GPUs, nixl or
+sgl_kernel's fa3 ops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from server_support import MODELS, base_dir, l3_flags, pages_of, prompt, write_l3_config
+
+from sglang_cp.server_process import ServerProcess, free_port
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs two GPUs", allow_module_level=True)
+pytest.importorskip("nixl._api", reason="needs the nixl transfer engine (PD prefill refuses 'fake')")
+pytest.importorskip("sgl_kernel.flash_attn", reason="needs sgl_kernel's fa3 ops (KV sharding on sm90)")
+
+N = 4096
+PD = ["--disaggregation-transfer-backend", "nixl"]
+
+
+def _prefill(model, cfg, cold, root, tag, bootstrap_port):
+    return ServerProcess(
+        MODELS[model], log_path=os.path.join(root, f"{tag}.log"), attention_backend="fa3",
+        mem_fraction_static=0.35, startup_timeout_s=600,
+        extra_args=["--tp", "2", "--enable-prefill-cp", "--attn-cp-size", "2", "--cp-strategy", "interleave",
+                    "--enable-kv-cache-sharding", "--chunked-prefill-size", "4096",
+                    "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
+                    *PD, *l3_flags(cfg, cold), "--cp-hicache-placement-assert"])
+
+
+def _decode(model, root):
+    return ServerProcess(
+        MODELS[model], log_path=os.path.join(root, "decode.log"), attention_backend="fa3",
+        mem_fraction_static=0.3, startup_timeout_s=600,
+        extra_args=["--tp", "2", "--disaggregation-mode", "decode", *PD])
+
+
+def pd_generate(prefill, decode, bootstrap_port, ids, n=8):
+    """One request through both workers with one bootstrap room, as upstream's router does."""
+    room = random.getrandbits(62)
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+    out = {}
+
+    def run(name, srv):
+        try:
+            out[name] = srv.generate(ids, n, timeout_s=300, extra=extra)
+        except Exception as e:  # reported below with both sides
+            out[name] = e
+
+    ts = [threading.Thread(target=run, args=(k, s)) for k, s in (("prefill", prefill), ("decode", decode))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(330)
+    for k in ("prefill", "decode"):
+        if isinstance(out.get(k), Exception) or k not in out:
+            raise AssertionError(f"PD request failed on {k}: {out.get(k)!r}")
+    return out["prefill"], out["decode"]
+
+
+def _per_rank_slots(srv, want_total, timeout_s=90):
+    deadline = time.monotonic() + timeout_s
+    per = {}
+    while time.monotonic() < deadline:
+        per = srv.metric_by_label("sglang:cp_l3_used_slots", "cp_rank")
+        if sum(per.values()) >= want_total:
+            break
+        time.sleep(0.5)
+    return per
+
+
+@pytest.mark.parametrize("model", ["mha"])
+def test_cp2_sharded_prefill_persists_each_ranks_stripe_and_reloads(model, tmp_path_factory):
+    root = base_dir(tmp_path_factory, f"cp2-{model}")
+    cfg = write_l3_config(root)
+    bport = free_port()
+    P, pages = prompt(N, 21), pages_of(N)
+    decode = _decode(model, root).start()
+    try:
+        with _prefill(model, cfg, "clear", root, "prefill-clear", bport) as pf:
+            p1, d1 = pd_generate(pf, decode, bport, P)
+            per = _per_rank_slots(pf, pages)
+            stats = subprocess.run([sys.executable, "-m", "sglang_cp.cli", "l3", "stats", "--cp-l3-config", cfg],
+                                   capture_output=True, text=True, timeout=120)
+            print(stats.stdout[-3000:])
+            print("per-rank L3 slots after the first request:", json.dumps(per))
+        assert len(d1.output_ids) == 8
+        assert set(per) == {"0", "1"}, per
+        assert sum(per.values()) == pages, per  # each page once, on exactly one rank
+        assert abs(per["0"] - per["1"]) <= 1, per  # the stripes: page h on rank h % 2
+
+        with _prefill(model, cfg, "load", root, "prefill-load", bport) as pf:
+            p2, d2 = pd_generate(pf, decode, bport, P)
+            time.sleep(1.5)  # one publish of the per-rank counters
+            reload = pf.metric_by_label("sglang:cp_l3_reload_pages_total", "cp_rank")
+            log = pf.log_text()
+        storage = max(p2.storage_tokens, d2.storage_tokens)
+        assert storage == pages * 64, (p2.meta_info, d2.meta_info)
+        assert d2.output_ids == d1.output_ids
+        print("per-rank L3 pages reloaded after the restart:", json.dumps(reload))
+        assert set(reload) == {"0", "1"} and sum(reload.values()) == pages, reload
+        assert "placement" not in log.lower() or "mismatch" not in log.lower(), "placement assert fired"
+    finally:
+        decode.stop()
