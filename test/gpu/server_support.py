@@ -87,6 +87,8 @@ def pages_of(n_tokens: int) -> int:
 
 
 def server(model: str, extra: list, log_dir: str, tag: str, **kw) -> ServerProcess:
+    # 0.3 of the GPU each: two test servers share one GPU under pytest-xdist -n 2x#GPUs.
+    kw.setdefault("mem_fraction_static", 0.3)
     return ServerProcess(MODELS[model], extra_args=extra, env=worker_env(),
                          log_path=os.path.join(log_dir, f"{tag}.log"), **kw)
 

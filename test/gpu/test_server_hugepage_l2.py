@@ -15,7 +15,8 @@ import subprocess
 import pytest
 from server_support import base_dir, l3_flags, pages_of, prompt, server, write_l3_config
 
-pytestmark = pytest.mark.gpu
+# Both tests change vm.nr_hugepages: under pytest-xdist they share one worker.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("hugepages")]
 NR = "/proc/sys/vm/nr_hugepages"
 SYSFS = "/sys/kernel/mm/hugepages/hugepages-2048kB"
 HOST_POOL_GB = 4  # --hicache-size of l3_flags

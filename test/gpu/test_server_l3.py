@@ -22,6 +22,12 @@ pytestmark = pytest.mark.gpu
 N = 4096
 
 
+def _spilled_ok(v, n_prompt=N, n_new=8):
+    """A prompt spills its full input pages, and the page its output tokens complete (the
+    radix tree keeps prompt + output); both counts are what happened."""
+    return pages_of(n_prompt) <= v <= pages_of(n_prompt + n_new)
+
+
 def _settled(srv, name, want, timeout_s=90):
     """Wait for a counter to reach ``want``, then give it one more publish to overshoot."""
     v = srv.wait_metric(METRIC(name), lambda x: x >= want, timeout_s)
@@ -39,7 +45,8 @@ def test_l3_flush_and_every_cold_start_mode(model, tmp_path_factory):
     with server(model, l3_flags(cfg, "clear"), root, "clear1") as s:
         first = s.generate(P)
         assert first.storage_tokens == 0 and first.device_tokens == 0, first.meta_info
-        assert _settled(s, "spill_pages_total", pages) == pages
+        spilled = _settled(s, "spill_pages_total", pages)
+        assert _spilled_ok(spilled), spilled
         s.flush_cache()
         second = s.generate(P)
         assert second.storage_tokens == pages * 64, second.meta_info
@@ -61,7 +68,8 @@ def test_l3_flush_and_every_cold_start_mode(model, tmp_path_factory):
     with server(model, l3_flags(cfg, "clear"), root, "clear2") as s:
         fourth = s.generate(P)
         assert fourth.storage_tokens == 0, fourth.meta_info
-        assert _settled(s, "spill_pages_total", pages) == pages
+        spilled = _settled(s, "spill_pages_total", pages)
+        assert _spilled_ok(spilled), spilled
         assert s.metrics().get(METRIC("reload_pages_total"), 0) == 0
     assert fourth.output_ids == first.output_ids
 
@@ -102,7 +110,7 @@ def test_damaged_slab_bytes_are_recomputed_not_served(tmp_path_factory):
     P, pages = prompt(N, 3), pages_of(N)
     with server("mla", l3_flags(cfg, "clear"), root, "write") as s:
         ref = s.generate(P)
-        assert _settled(s, "spill_pages_total", pages) == pages
+        assert _spilled_ok(_settled(s, "spill_pages_total", pages))
     damaged = _flip_payload_bytes(slab_files(root))
     assert damaged >= 2, f"expected to damage pages in {slab_files(root)}"
 
@@ -165,4 +173,6 @@ def test_sigkill_during_spill_burst_loses_no_acked_page(tmp_path_factory):
     print(f"spill burst: {total} pages, {len(refs)}/{len(prompts)} requests done, "
           f">= {acked:.0f} pages acked before SIGKILL, {live:.0f} live after load, "
           f"{hit_pages} served from storage")
-    assert hit_pages >= acked  # every page acked before the kill is a hit after it
+    # Every page acked before the kill is a hit after it, except the page that only the
+    # output tokens completed (acked, but no prompt asks for it): at most one per prompt.
+    assert hit_pages >= acked - len(prompts)
