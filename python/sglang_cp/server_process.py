@@ -15,6 +15,7 @@ tokenizer). Imports no sglang: it talks to the server over HTTP only.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -40,6 +41,35 @@ ATTENTION_BACKEND_ENV = "SGLANG_CP_TEST_ATTENTION_BACKEND"
 
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; carries its log tail."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL the launcher when the process that started it
+    dies (a test runner killed by its own timeout must not leave a server holding a GPU;
+    upstream's scheduler processes already die with the launcher)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: stop()/kill() still bound every wait
+
+
+def group_alive(pgid: int) -> bool:
+    """Any process of the group that is not a zombie (a zombie counts for killpg(pgid, 0)
+    until its new parent reaps it, which can take long on some init processes)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def free_port() -> int:
@@ -107,7 +137,8 @@ class ServerProcess:
         self._log.flush()
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         return self
 
     def start(self) -> "ServerProcess":
@@ -151,7 +182,9 @@ class ServerProcess:
                 pass
             self._wait_group_gone(30)
 
-    def stop(self, timeout_s: float = 60.0) -> None:
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM (upstream's launcher then tears its children down in about 6 s), SIGKILL
+        of the whole group after ``timeout_s``."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -166,11 +199,7 @@ class ServerProcess:
 
     def _wait_group_gone(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
-                return
+        while time.monotonic() < deadline and group_alive(self.proc.pid):
             time.sleep(0.2)
 
     def __enter__(self):

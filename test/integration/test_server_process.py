@@ -42,3 +42,34 @@ def test_parse_metrics_by_label():
             'sglang:num_requests_total 5\n')
     m = parse_metrics(text, by_label="cp_rank")
     assert m == {"sglang:cp_l3_used_slots": {"0": 32.0, "1": 32.0}}
+
+
+def test_server_dies_with_the_process_that_started_it(tmp_path):
+    """A test runner killed by its own timeout must not leave a server behind (on a GPU box
+    it would hold the GPU and the next server fails its memory-balance check)."""
+    import signal
+    import subprocess
+    import sys
+
+    from sglang_cp.server_process import group_alive
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from sglang_cp.server_process import ServerProcess\n"
+        f"s = ServerProcess({MODEL!r}, log_path={str(tmp_path / 's.log')!r}).spawn()\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert group_alive(pid)  # the launcher is still importing sglang (seconds)
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 10
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = group_alive(pid)
+    finally:
+        parent.kill()
+    if alive:
+        os.killpg(pid, signal.SIGKILL)
+    assert not alive, "the launcher outlived the process that started it"
