@@ -90,7 +90,9 @@ def _per_rank_slots(srv, want_total, timeout_s=90):
     return per
 
 
-@pytest.mark.parametrize("model", ["mha"])
+# OLMo2 (MHA) cannot run prefill CP in 0.5.23: the CP extend path calls
+# model.get_input_embeddings(), which Olmo2ForCausalLM lacks (seen on the H200).
+@pytest.mark.parametrize("model", ["mla"])
 def test_cp2_sharded_prefill_persists_each_ranks_stripe_and_reloads(model, tmp_path_factory):
     root = base_dir(tmp_path_factory, f"cp2-{model}")
     cfg = write_l3_config(root)
