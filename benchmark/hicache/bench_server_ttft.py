@@ -102,7 +102,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     cfg = write_l3_toml(work, capacity, args.io_threads)
     data_dir = os.path.join(work, "data")
     res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
-           "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout}
+           "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout,
+           "attention_backend": args.attention_backend}
 
     log(f"[{name}] raw disk probe ({args.raw_gib} GiB O_DIRECT, {args.io_threads} threads) in {data_dir}")
     raw0 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
@@ -111,7 +112,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     P = {L: [prompt(L, 1000 * L + i) for i in range(reps)] for L in lengths}
     max_total = int(max(lengths) * 1.25) + 2 * PAGE
     common = dict(context_length=max(lengths) + 256, max_total_tokens=max_total,
-                  mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout)
+                  mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout,
+                  attention_backend=args.attention_backend)
 
     def flags(cold):
         return ["--enable-hierarchical-cache", "--hicache-size", str(host_gb),
@@ -292,6 +294,8 @@ def main(argv=None):
     r.add_argument("--hicache-size", type=int, default=0, help="host pool GB (default: sized to the prompts)")
     r.add_argument("--mem-layout", default="page_first", choices=["page_first", "layer_first"])
     r.add_argument("--mem-fraction", type=float, default=0.8)
+    r.add_argument("--attention-backend", default="triton",
+                   help="upstream's --attention-backend (fa3 on sm90 prefills long prompts much faster)")
     r.add_argument("--io-threads", type=int, default=8)
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)

@@ -1,0 +1,48 @@
+"""bench_server_ttft's accounting, on a result shaped like a real run's: a row counts only
+requests whose cache came from the path it names, and the restore rate subtracts the
+compute floor of the same prompt."""
+
+import importlib.util
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location(
+    "bench_server_ttft", os.path.join(HERE, "..", "..", "benchmark", "hicache", "bench_server_ttft.py"))
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def _run():
+    L, cached = 8192, 8128
+    rows = {"recompute": [], "l2": [], "l3": [], "device": []}
+    for i, t in enumerate((0.40, 0.39, 0.41)):
+        rows["recompute"].append({"tokens": L, "ttft_s": t, "first_token": 7, "device": 0, "host": 0, "storage": 0})
+    rows["l2"] += [{"tokens": L, "ttft_s": 0.10, "first_token": 7, "device": 0, "host": cached, "storage": 0},
+                   {"tokens": L, "ttft_s": 0.05, "first_token": 7, "device": cached, "host": 0, "storage": 0}]
+    for t in (0.22, 0.23, 0.25):
+        rows["l3"].append({"tokens": L, "ttft_s": t, "first_token": 7, "device": 0, "host": 0,
+                           "storage": cached, "reload_bytes": 0.3e9})
+        rows["device"].append({"tokens": L, "ttft_s": 0.07, "first_token": 7, "device": cached, "host": 0,
+                               "storage": 0})
+    return {"model": "m", "lengths": [L], "reps": 3, "rows": rows,
+            "raw": [{"read_gbps": 2.0, "write_gbps": 2.0}, {"read_gbps": 1.0, "write_gbps": 1.0}]}
+
+
+def test_summary_counts_only_requests_served_from_the_named_path():
+    (row,) = bench.summarize(_run())
+    assert row["l2"]["n"] == 1 and row["l2"]["median"] == 0.10  # the device hit is not an L2 hit
+    assert row["recompute"]["median"] == 0.40 and row["l3"]["median"] == 0.23
+    assert abs(row["restore_gbps"]["median"] - 0.3 / 0.16) < 1e-9  # bytes / (restore - device floor)
+    assert abs(row["restore_x_raw"] - (0.3 / 0.16) / 1.5) < 1e-9  # raw = mean of the two probes
+    assert row["same_first_token"] is True
+
+
+def test_report_merges_runs_into_table_json_and_plot(tmp_path):
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"runs": [_run()]}))
+    assert bench.main(["report", str(a), "--out-dir", str(tmp_path / "out")]) == 0
+    out = json.loads((tmp_path / "out" / "ttft.json").read_text())
+    assert out["summary"][0]["tokens"] == 8192
+    assert (tmp_path / "out" / "ttft.png").stat().st_size > 10_000
+    assert "| m | 8,192 |" in (tmp_path / "out" / "ttft.md").read_text()
