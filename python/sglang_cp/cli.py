@@ -185,7 +185,7 @@ def _cmd_l3_stats(ns) -> int:
         console.print(f"GC {state}: {st['gc_states'][state]}")
     ix = st["index"]
     if ix is None:
-        console.print(f"index: none at {cfg.index.dir} (no server has written here yet)")
+        console.print(f"index: none at {cfg.index_dir} (no server has written here yet)")
     else:
         console.print(f"index: {ix['entries']} entries, {ix['used_bytes'] / 1e6:.1f} MB used of a "
                       f"{ix['map_size'] / 1e9:.2f} GB map (max {ix['max_map_size'] / 1e9:.2f} GB); "

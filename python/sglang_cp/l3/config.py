@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 GB = 10**9
 ALIGN = 4096
+SLAB_SUBDIR = "sglang-cp-l3"  # the store's directory under each disk path
+_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")
 _warned_devices: set[str] = set()
 
@@ -67,6 +70,17 @@ class L3Config:
     slot_bytes: dict[str, int] = field(default_factory=dict)
     plp_probes: tuple[PlpProbe, ...] = ()
     source: Optional[str] = None
+    namespace: str = ""  # one server's files among several sharing index.dir / disk paths
+
+    @property
+    def index_dir(self) -> str:
+        """The LMDB index of this config's namespace: index.dir itself, or ns-<namespace> under it."""
+        return os.path.join(self.index.dir, f"ns-{self.namespace}") if self.namespace else self.index.dir
+
+    def slab_dir(self, disk_path: str) -> str:
+        """Where this namespace's slab files live on a disk: <path>/sglang-cp-l3[/ns-<namespace>]."""
+        base = os.path.join(disk_path, SLAB_SUBDIR)
+        return os.path.join(base, f"ns-{self.namespace}") if self.namespace else base
 
     def disk_index_for_rank(self, rank: int) -> int:
         name = self.rank_to_disk.get(rank)
@@ -76,7 +90,7 @@ class L3Config:
 
 
 _SCHEMA: dict[str, set[str]] = {
-    "": {"index", "gc", "durability", "io", "disks", "rank_to_disk", "slot_bytes"},
+    "": {"namespace", "index", "gc", "durability", "io", "disks", "rank_to_disk", "slot_bytes"},
     "index": {"dir", "map_size_gb", "max_map_size_gb"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
     "durability": {"plp_policy"},
@@ -264,6 +278,17 @@ def _parse_slot_bytes(doc: dict) -> dict[str, int]:
     return out
 
 
+def _parse_namespace(doc: dict) -> str:
+    if "namespace" not in doc:
+        return ""
+    ns = doc["namespace"]
+    if not isinstance(ns, str) or not _NAMESPACE.match(ns):
+        raise L3ConfigError(
+            f"namespace: {ns!r} is not a valid namespace; use 1-64 letters, digits, '_', '-' or '.', starting "
+            "with a letter or digit (e.g. namespace = \"server-a\"), one per server sharing these directories")
+    return ns
+
+
 def _apply_plp_policy(policy: str, disks: tuple[DiskConfig, ...]) -> tuple[PlpProbe, ...]:
     probes = tuple(probe_write_cache(d.path) for d in disks)
     if policy == "ignore":
@@ -292,6 +317,7 @@ def parse_l3_config(doc: dict[str, Any], source: Optional[str] = None) -> L3Conf
     if not isinstance(doc, dict):
         raise L3ConfigError("config: top level must be a table")
     _check_keys(doc, "", "")
+    namespace = _parse_namespace(doc)
     index = _parse_index(doc)
     gc = _parse_gc(doc)
     io = _parse_io(doc)
@@ -305,7 +331,7 @@ def parse_l3_config(doc: dict[str, Any], source: Optional[str] = None) -> L3Conf
     slots = _parse_slot_bytes(doc)
     probes = _apply_plp_policy(policy, disks)
     return L3Config(index=index, disks=disks, gc=gc, io=io, plp_policy=policy, rank_to_disk=r2d,
-                    slot_bytes=slots, plp_probes=probes, source=source)
+                    slot_bytes=slots, plp_probes=probes, source=source, namespace=namespace)
 
 
 def load_l3_config(path: str) -> L3Config:

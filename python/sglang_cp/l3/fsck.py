@@ -32,7 +32,7 @@ from .blob import (HEADER_BYTES, BlobError, crc32c, header_block, parse_header, 
 from .config import L3Config
 from .index import IndexEntry, LmdbIndex, SharedIndex
 
-SLAB_SUBDIR = "sglang-cp-l3"  # as the store names it (l3/store.py)
+from .config import SLAB_SUBDIR  # noqa: F401  (re-exported: where the store keeps slabs)
 _SLAB_NAME = re.compile(r"^r(\d+)\.([A-Za-z0-9_-]{1,64})\.s(\d+)\.slab$")
 PROBLEMS = ("dangling", "crc", "cross_rank", "collision")
 
@@ -84,7 +84,7 @@ class Report:
 def find_slabs(config: L3Config) -> list[Slab]:
     out = []
     for d_i, disk in enumerate(config.disks):
-        sub = os.path.join(disk.path, SLAB_SUBDIR)
+        sub = config.slab_dir(disk.path)
         if not os.path.isdir(sub):
             continue
         for name in sorted(os.listdir(sub)):
@@ -99,9 +99,9 @@ def find_slabs(config: L3Config) -> list[Slab]:
 
 
 def open_index(config: L3Config, must_exist: bool = True) -> LmdbIndex | None:
-    if must_exist and not os.path.exists(os.path.join(config.index.dir, "data.mdb")):
+    if must_exist and not os.path.exists(os.path.join(config.index_dir, "data.mdb")):
         return None
-    return SharedIndex(config.index.dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
+    return SharedIndex(config.index_dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
 
 
 def all_entries(index: LmdbIndex) -> list[tuple[bytes, IndexEntry]]:
@@ -302,7 +302,7 @@ def _wipe_headers(slabs: dict, where: list, rep: Report) -> int:
 
 def live_users(config: L3Config) -> list[tuple[int, str]]:
     """(pid, command) of other processes holding the index or a slab file open or mapped."""
-    targets = {os.path.realpath(os.path.join(config.index.dir, n)) for n in ("data.mdb", "lock.mdb")}
+    targets = {os.path.realpath(os.path.join(config.index_dir, n)) for n in ("data.mdb", "lock.mdb")}
     targets |= {os.path.realpath(s.path) for s in find_slabs(config)}
     me = os.getpid()
     users = []

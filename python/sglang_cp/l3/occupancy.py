@@ -14,7 +14,6 @@ from collections import defaultdict
 from .config import L3Config
 from .fsck import all_entries, find_slabs, open_index
 from .recovery import read_records
-from .store import SLAB_SUBDIR
 
 
 GC_STATES = {
@@ -39,7 +38,7 @@ def collect(config: L3Config) -> dict:
     index_info = None
     if index is not None:
         info, st = index.env.info(), index.env.stat()
-        index_info = {"dir": config.index.dir, "entries": len(entries), "map_size": info["map_size"],
+        index_info = {"dir": config.index_dir, "entries": len(entries), "map_size": info["map_size"],
                       "used_bytes": (info["last_pgno"] + 1) * st["psize"],
                       "max_map_size": config.index.max_map_size_bytes, "readers": info["num_readers"]}
         index.close()
@@ -74,7 +73,7 @@ def cold_start_records(config: L3Config) -> list[dict]:
     """Each rank's last cold start, as the store recorded it next to its slabs (one per rank+disk)."""
     out = []
     for disk in config.disks:
-        sub = os.path.join(disk.path, SLAB_SUBDIR)
+        sub = config.slab_dir(disk.path)
         if not os.path.isdir(sub):
             continue
         out.extend(dict(rec, disk=disk.name) for rec in read_records(sub))

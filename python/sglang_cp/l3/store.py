@@ -24,11 +24,12 @@ import numpy as np
 from .acks import Ack, AckKind, OpState
 from .aligned import BounceBuffers
 from .blob import BlobError, key_digest, write_extent
-from .config import L3Config
+from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .gc import WatermarkPolicy
 from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
+from .ownership import RankLock
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start, write_record as write_cold_start_record
@@ -37,7 +38,6 @@ from .writer import WriteThread, WriteTask
 
 logger = logging.getLogger(__name__)
 _PAYLOAD_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-SLAB_SUBDIR = "sglang-cp-l3"
 # Staged pages are handed to the write thread in messages of about this size: big enough to keep
 # per-message overhead low, small enough that disk I/O starts while the caller is still copying.
 _MESSAGE_BYTES = 8 << 20
@@ -56,7 +56,9 @@ COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages"
 
 class L3Store:
     def __init__(self, config: L3Config, *, rank: int, ranks_per_node: int, payloads: dict[str, int],
-                 cold_start: str = "clear", fault_injector: Optional[FaultInjector] = None):
+                 cold_start: str = "clear", fault_injector: Optional[FaultInjector] = None,
+                 owner: Optional[str] = None):
+        """`owner` describes this rank's identity in ownership errors (e.g. the server's DP/PP/TP ranks)."""
         _check_args(config, rank, ranks_per_node, payloads, cold_start)
         self.config = config
         self.rank = rank
@@ -88,14 +90,30 @@ class L3Store:
                 f"disks[{disk_i}].capacity_gb: {disk.capacity_bytes / 1e9:g} GB shared by {sharing} rank(s) leaves "
                 f"no room for one page of every payload ({sum(slot_bytes.values())} B per rank); "
                 f"raise it to at least {need:.6f}")
-        slab_dir = os.path.join(disk.path, SLAB_SUBDIR)
+        slab_dir = config.slab_dir(disk.path)
         try:
             os.makedirs(slab_dir, exist_ok=True)
         except OSError as e:
             raise L3StartupError(f"disks[{disk_i}].path: cannot create '{slab_dir}' ({e.strerror}); "
                                  "the directory must be writable") from None
-
-        self._index = SharedIndex(config.index.dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
+        index_dir = config.index_dir
+        try:
+            os.makedirs(index_dir, exist_ok=True)
+        except OSError as e:
+            raise L3StartupError(f"index.dir: cannot create '{index_dir}' ({e.strerror}); "
+                                 "the directory must be writable") from None
+        # Exclusive ownership of this rank's slabs and index entries before anything destructive (slab
+        # truncation, cold start), held until close(): a second opener fails here (l3/ownership.py).
+        owner = owner or f"L3 rank {rank}"
+        if config.namespace:
+            owner += f", namespace '{config.namespace}'"
+        self._locks: list[RankLock] = [RankLock(slab_dir, rank, owner, what=f"disks[{disk_i}].path")]
+        try:
+            self._locks.append(RankLock(index_dir, rank, owner, what="index.dir"))
+            self._index = SharedIndex(index_dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
+        except BaseException:
+            self._release_locks()
+            raise
         self._pools: dict[str, PayloadPool] = {}
         try:
             for p, b in payloads.items():
@@ -115,6 +133,7 @@ class L3Store:
             for pool in self._pools.values():
                 pool.slab.close()
             self._index.close()
+            self._release_locks()
             raise
         self._cold_start = cold_start_result
         self._slab_dir = slab_dir
@@ -311,6 +330,11 @@ class L3Store:
             pool.slab.close()
         self._index.close()
         self._staging.close()
+        self._release_locks()
+
+    def _release_locks(self) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
 
     def __enter__(self):
         return self

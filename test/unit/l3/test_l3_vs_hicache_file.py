@@ -117,6 +117,7 @@ def test_no_stale_files_after_kill_and_restart(make_store):
         listings.append(sorted(os.path.relpath(os.path.join(d, f), root)
                                for d, _, fs in os.walk(root) for f in fs))
     assert listings[0] == listings[1] == listings[2]
-    # The slab, the index, and the rank's cold-start record (fixed name, replaced atomically): nothing else.
-    assert listings[0] == ["d0/sglang-cp-l3/r0.cold_start.json", "d0/sglang-cp-l3/r0.kv.s20480.slab", "idx/data.mdb",
-                           "idx/lock.mdb"]
+    # The slab, the index, the rank's cold-start record (fixed name, replaced atomically) and its two
+    # ownership lock files (fixed names, never unlinked): nothing else.
+    assert listings[0] == ["d0/sglang-cp-l3/r0.cold_start.json", "d0/sglang-cp-l3/r0.kv.s20480.slab",
+                           "d0/sglang-cp-l3/r0.lock", "idx/data.mdb", "idx/lock.mdb", "idx/r0.lock"]
