@@ -10,13 +10,15 @@ from sglang_cp.integration.page_groups import PageGroupError, validate_page_alig
 
 BASE = KeyIdentity(model="glm-5", dtype="torch.float8_e4m3fn", page_size=64, layout="page_first",
                    rank_replicated=True, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, cp_size=4,
-                   cp_strategy="interleave", sharded=True, page_bytes=(("kv", 3274752),))
+                   cp_strategy="interleave", sharded=True, page_bytes=(("kv", 3274752),),
+                   logical_dtypes=(("kv", "torch.float8_e4m3fn"),))
 
 
 @pytest.mark.parametrize("field,value", [
     ("model", "deepseek-v3.2"), ("dtype", "torch.bfloat16"), ("page_size", 32), ("layout", "layer_first"),
     ("rank_replicated", False), ("tp_rank", 1), ("tp_size", 2), ("pp_rank", 1), ("pp_size", 2),
     ("cp_size", 2), ("cp_strategy", "zigzag"), ("sharded", False), ("page_bytes", (("kv", 4096),)),
+    ("logical_dtypes", (("kv", "torch.float8_e5m2"),)),
 ])
 def test_every_identity_field_changes_the_keyspace(field, value):
     other = dataclasses.replace(BASE, **{field: value})

@@ -9,7 +9,10 @@ can never read each other's pages (a miss, never a collision):
     {identity digest}/{owner rank}of{cp size}/{page hash}
 
 The identity digest covers upstream's own ``hicache_key_scheme`` namespace fields
-(model, logical dtype, page size, layout, rank replication) plus the topology that
+(model, page size, layout, rank replication, and the *logical* KV cache dtype of every
+payload: fp8_e4m3fn and fp8_e5m2 both store as uint8 in the host pool, so the host
+storage dtype alone would let a page of one format hit under the other -- the logical
+dtypes come from the device pools, recorded by ``l3_storage_config``) plus the topology that
 changes what a rank's page holds: TP rank/size for head-sharded (non-MLA) pools, PP
 rank/size (layer ranges), the attention-CP size and strategy, and whether pages are
 striped (``--enable-kv-cache-sharding``). Payload kind (target KV, DSA indexer, draft)
@@ -24,7 +27,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-KEY_SCHEMA = 1
+KEY_SCHEMA = 2  # 2: logical dtypes per payload
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class KeyIdentity:
     cp_strategy: str
     sharded: bool
     page_bytes: tuple  # ((payload, bytes per page), ...): a shape change is a new keyspace
+    logical_dtypes: tuple  # ((payload, logical KV dtype), ...); `dtype` is the host storage dtype
 
     def digest(self) -> str:
         body = json.dumps({"schema": KEY_SCHEMA, **asdict(self)}, sort_keys=True, default=list)

@@ -42,8 +42,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
+from sglang_cp.integration.l3_identity import derive_identity, runtime_topology
 from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme
+from sglang_cp.integration.l3_storage_config import DTYPES_KEY
 from sglang_cp.integration.page_groups import validate_page_aligned
+from sglang_cp.l3.errors import L3StartupError
+from sglang_cp.l3.ratelog import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,13 @@ UPSTREAM_SYMBOLS = (
     "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_dynamic_backend",
 )
 KV_PAYLOAD = PoolName.KV.value
+# Pools upstream queries with PoolHitPolicy.TRAILING_PAGES (a window of state that ends at the
+# hit: SWA KV, Mamba/linear-attention state; hybrid_pool_assembler and unified_cache/components).
+# Our existence check and CP agreement are per page over the whole prefix: refused at attach
+# (docs_internal/cp_l3_integration.md, "Hybrid pools").
+TRAILING_POOLS = frozenset(n.value for n in (
+    PoolName.MAMBA, PoolName.SWA, PoolName.AUXILIARY_SWA, PoolName.DRAFT_SWA, PoolName.DEEPSEEK_V4_C4_STATE,
+    PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, PoolName.DEEPSEEK_V4_C128_STATE))
 # Upstream's prefetch thread calls us synchronously; a stuck disk must not wedge it (and
 # with it shutdown): past this bound the unfinished pages are misses, and the store stops
 # touching the host pages before read_pages returns. Writes have no such bound: the store
@@ -94,6 +105,9 @@ class CpL3Storage(HiCacheStorage):
         self.shard_rank = 0
         self.shard_size = 1
         self._metrics = None
+        self.identity = None
+        self.unsupported_queries = 0  # hit queries naming a pool policy we do not store (each a miss)
+        self._log = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ setup
     def register_mem_pool_host(self, mem_pool_host):
@@ -111,6 +125,14 @@ class CpL3Storage(HiCacheStorage):
         from sglang_cp.args import load_config
         from sglang_cp.l3 import L3Store
 
+        trailing = sorted(_pool_key(n) for n in self.registered_pools if _pool_key(n) in TRAILING_POOLS)
+        if trailing:
+            raise L3StartupError(
+                f"--enable-cp-l3: this model has hybrid pools ({', '.join(trailing)}) whose pages upstream "
+                "restores as a trailing window (SWA KV, Mamba state); the sglang-cp L3 store serves full-prefix "
+                "pools only (target KV, DSA indexer, draft KV). Drop --enable-cp-l3 for this model (upstream's "
+                "--hicache-storage-backend file serves it), or turn the hybrid pools off where the model allows "
+                "(e.g. --disable-hybrid-swa-memory)")
         payloads = {KV_PAYLOAD: self._page_bytes(self._native(self.mem_pool_host))}
         for name, pool in self.registered_pools.items():
             pname = _pool_key(name)
@@ -118,10 +140,13 @@ class CpL3Storage(HiCacheStorage):
                 payloads[pname] = self._page_bytes(pool)
         cfg = load_config(self.l3_config_path)
         sc = self.storage_config
-        rank = sc.tp_rank + sc.tp_size * sc.pp_rank
-        ranks_per_node = max(1, sc.tp_size * sc.pp_size)
+        # One L3 rank per KV-owning process of this node (DP replica, attention DP/CP/TP, PP), numbered
+        # among the node's own processes; the store's lock refuses a second owner (l3_identity).
+        self.identity = derive_identity(sc, runtime_topology())
+        rank, ranks_per_node = self.identity.local_rank, self.identity.local_count
+        logical_dtypes = self._logical_dtypes(payloads)
         self.store = L3Store(cfg, rank=rank, ranks_per_node=ranks_per_node, payloads=payloads,
-                             cold_start=self.cold_start)
+                             cold_start=self.cold_start, owner=self.identity.label())
         native = self._native(self.mem_pool_host)
         self.keys = KeyScheme(KeyIdentity(
             model=str(sc.model_name or ""),
@@ -137,6 +162,7 @@ class CpL3Storage(HiCacheStorage):
             cp_strategy=self.cp_strategy,
             sharded=self.placement is not None,
             page_bytes=tuple(sorted(payloads.items())),
+            logical_dtypes=logical_dtypes,
         ))
         self.payloads = payloads
         if self.sharded:
@@ -144,8 +170,26 @@ class CpL3Storage(HiCacheStorage):
 
             set_shard_size(self.shard_size)
         self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
-        logger.info("sglang-cp L3 backend ready: rank %d/%d, shard %d/%d, payloads %s",
-                    rank, ranks_per_node, self.shard_rank, self.shard_size, payloads)
+        logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s",
+                    self.identity.label(), self.shard_rank, self.shard_size, payloads)
+
+    def _logical_dtypes(self, payloads: dict) -> tuple:
+        """((payload, logical KV dtype), ...) as the device pools declare them (l3_storage_config)."""
+        recorded = dict((self.storage_config.extra_config or {}).get(DTYPES_KEY) or {})
+        out = []
+        for p in sorted(payloads):
+            dtype = recorded.get(p)
+            if dtype is None:
+                stored = self._native(self._pool_for(p)).dtype
+                if stored == torch.uint8:
+                    raise L3StartupError(
+                        f"sglang-cp L3: cannot tell the logical KV dtype of payload '{p}': its host pool stores "
+                        "uint8, which fp8_e4m3 and fp8_e5m2 share, and the storage config lacks "
+                        f"'{DTYPES_KEY}' (the sglang-cp plugin's hooks are not active in this process; "
+                        "start the server with the plugin loaded)")
+                dtype = str(stored)
+            out.append((p, dtype))
+        return tuple(out)
 
     @staticmethod
     def _native(pool):
@@ -249,9 +293,13 @@ class CpL3Storage(HiCacheStorage):
         payloads = [KV_PAYLOAD]
         for t in pool_transfers or []:
             if t.hit_policy != PoolHitPolicy.ALL_PAGES:
-                raise NotImplementedError(
-                    f"sglang-cp L3 stores only ALL_PAGES sidecars (DSA indexer, draft KV); pool "
-                    f"{t.name} asks for {t.hit_policy}")
+                # Refused at attach for the pools we know; one registered later is a miss, not an
+                # exception on upstream's prefetch thread.
+                self.unsupported_queries += 1
+                self._log.warning("unsupported_policy", "sglang-cp L3: pool %s asks for hit policy %s; only "
+                                  "full-prefix pools are stored, so this query is a miss", t.name, t.hit_policy)
+                clear_phase_vector()
+                return PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={})
             payloads.append(_pool_key(t.name))
         hit = self._exists_prefix(payloads, keys)
         return PoolTransferResult(kv_hit_pages=hit,

@@ -93,11 +93,12 @@ class RankLock:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise L3OwnershipError(f"{what}: cannot lock '{self.path}' ({e.strerror})") from None
             pid = holder.pid if holder.pid is not None else "unknown"
-            held_as = f" as {holder.owner}" if holder.owner else ""
+            held_as = f" ({holder.owner})" if holder.owner else ""
             raise L3OwnershipError(
-                f"{what}: L3 rank {rank} ({owner}) is already owned by pid {pid}{held_as} (lock '{self.path}'). "
-                "Two processes on one rank destroy each other's pages. Stop that process, or give this "
-                "server its own L3 directory or its own `namespace` in the L3 TOML") from None
+                f"{what}: L3 rank {rank} is already owned by pid {pid}{held_as}; this process ({owner}) cannot "
+                f"open it (lock '{self.path}'): two processes on one rank destroy each other's pages. Stop "
+                "that process, or give this server its own L3 directories or its own `namespace` in the "
+                "L3 TOML") from None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n{owner}\n".encode(), 0)

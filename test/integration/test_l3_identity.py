@@ -1,0 +1,143 @@
+"""The L3 identity of a scheduler process, derived from real upstream ServerArgs, the real
+published parallel context and upstream's own ``HiCacheController._generate_storage_config``
+(with the plugin's hooks): one L3 rank per KV-owning process of a node, whatever the DP
+topology; and keys that name the logical KV dtype (fp8 formats share uint8 host storage).
+"""
+
+import json
+import textwrap
+
+import pytest
+
+from conftest import run_py
+
+CODE = textwrap.dedent(
+    """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    import torch
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.runtime_context import get_parallel, publish, SpawnRanks
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.entrypoints.engine import _calculate_rank_ranges
+    from sglang_cp.integration.l3_identity import derive_identity, runtime_topology, node_rank_ranges
+
+    cfg, what = sys.argv[1], sys.argv[2]
+
+    def controller(dtype):
+        kv = MLATokenToKVPool(size=256, page_size=64, dtype=dtype, kv_lora_rank=512, qk_rope_head_dim=64,
+                              layer_num=2, device="cpu", enable_memory_saver=False)
+        host = MLATokenToKVPoolHost(
+            kv.get_device_pool_infos()[0].buffer_info, 1.0, 0, 64, "page_first", pin_memory=False, device="cpu",
+            override_kv_cache_dim=kv.kv_cache_dim, device_capacity_tokens=256, start_layer=kv.start_layer,
+            end_layer=kv.end_layer, target_layer_num=2, host_token_capacity=256)
+        # Upstream's method on a controller holding exactly what it reads: the device and host pools.
+        c = HiCacheController.__new__(HiCacheController)
+        c.mem_pool_device, c.mem_pool_host, c.storage_host_pool = kv, host, host
+        c.enable_storage_metrics, c.page_size, c.attn_cp_group = False, 64, None
+        return c
+
+    def server(argv):
+        sa = prepare_server_args(["--model-path", "dummy", "--device", "cpu", "--enable-hierarchical-cache",
+                                  "--enable-cp-l3", "--cp-l3-config", cfg] + argv)
+        sa.resolve_once()
+        return sa, json.loads(resolved_view(sa).hicache_storage_backend_extra_config)
+
+    def spawn(sa, world_rank, dp_rank):
+        # What run_scheduler_process does for this spawn: publish its ranks, then DP attention init.
+        get_parallel().clear_stamp()
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, dp_rank=dp_rank, gpu_id=0))
+        initialize_dp_attention(sa)
+
+    if what == "topology":
+        argv, spawns = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+        sa, extra = server(argv)
+        for world_rank, dp_rank in spawns:
+            spawn(sa, world_rank, dp_rank)
+            sc = controller(torch.bfloat16)._generate_storage_config("m", dict(extra))
+            ident = derive_identity(sc, runtime_topology())
+            p = get_parallel()
+            up = _calculate_rank_ranges(p.node_rank)
+            print("ROW", json.dumps(dict(
+                old=sc.tp_rank + sc.tp_size * sc.pp_rank, local=ident.local_rank, count=ident.local_count,
+                label=ident.label(),
+                ranges_match=[list(up[0]), list(up[1])] == [list(r) for r in node_rank_ranges(
+                    p.tp_size, p.pp_size, p.nnodes, p.node_rank)])))
+    else:  # fp8: a page written under one fp8 format, then a `load` restart under the other
+        from sglang_cp.integration.l3_storage_backend import CpL3Storage
+        sa, extra = server([])
+        spawn(sa, 0, None)
+        tokens = torch.arange(64, dtype=torch.int64)
+
+        def backend(dtype, cold_start):
+            c = controller(dtype)
+            sc = c._generate_storage_config("m", dict(extra, cp_l3_cold_start=cold_start))
+            b = CpL3Storage(sc)
+            b.register_mem_pool_host(c.mem_pool_host)
+            b.on_host_pools_registered()
+            return b, c.mem_pool_host
+
+        b, host = backend(torch.float8_e4m3fn, "clear")
+        host.get_data_page(0, flat=True).view(torch.uint8).copy_(torch.randint(0, 256, (host.get_data_page(0, flat=True).numel(),), dtype=torch.uint8))
+        assert b.batch_set_v1(["page-0"], tokens) == [True]
+        print("ROW", json.dumps(dict(fmt="e4m3", host=str(host.dtype), write=True,
+                                     dtypes=b.storage_config.extra_config["cp_l3_kv_dtypes"])))
+        b.close()
+        for dtype, name in ((torch.float8_e5m2, "e5m2"), (torch.float8_e4m3fn, "e4m3")):
+            b, host = backend(dtype, "load")
+            print("ROW", json.dumps(dict(fmt=name, host=str(host.dtype), hit=b.batch_exists(["page-0"]))))
+            b.close()
+    """
+)
+
+
+def _rows(l3cfg, *args):
+    p = run_py(f"import sys; sys.argv = ['x'] + {json.dumps([l3cfg, *args])}\n" + CODE,
+               env_extra={"HF_HUB_OFFLINE": "1"})
+    rows = [json.loads(ln[4:]) for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+    assert rows, p.stdout[-3000:] + p.stderr[-5000:]
+    return rows
+
+
+@pytest.fixture
+def l3cfg(disk_tmp):
+    from sglang_cp.cli import write_demo_config
+
+    return write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
+
+
+@pytest.mark.parametrize("argv,spawns,expect_count,case", [
+    # --tp 8 --dp 8 --enable-dp-attention: the storage config carries attention-TP values (all
+    # tp_rank 0 of size 1); upstream's old rank formula made all eight processes L3 rank 0.
+    (["--tp", "8", "--dp", "8", "--enable-dp-attention"], [[i, i] for i in range(8)], 8, "dp-attention"),
+    # --dp 2 replicas of --tp 4: separate worlds, TP ranks from 0 in each.
+    (["--tp", "4", "--dp", "2"], [[t, d] for d in range(2) for t in range(4)], 8, "replicas"),
+    # Two nodes: node 1 runs TP 4..7; its L3 ranks are 0..3 of 4 (its own disks, its own split).
+    (["--tp", "8", "--dp", "8", "--enable-dp-attention", "--nnodes", "2", "--node-rank", "1",
+      "--dist-init-addr", "127.0.0.1:5000"], [[i, i] for i in range(4, 8)], 4, "two-nodes"),
+])
+def test_every_kv_owner_of_a_node_is_its_own_l3_rank(l3cfg, argv, spawns, expect_count, case):
+    rows = _rows(l3cfg, "topology", json.dumps(argv), json.dumps(spawns))
+    assert len(rows) == len(spawns)
+    assert sorted(r["local"] for r in rows) == list(range(expect_count)), rows
+    assert {r["count"] for r in rows} == {expect_count}  # the per-disk capacity split: this node's ranks
+    assert all(r["ranges_match"] for r in rows)  # our node split is upstream's _calculate_rank_ranges
+    if case != "two-nodes":
+        # The formula this replaces: several processes shared one L3 rank.
+        assert len({r["old"] for r in rows}) < len(rows), rows
+
+
+def test_fp8_formats_never_share_a_page(l3cfg):
+    rows = _rows(l3cfg, "fp8")
+    write, e5m2, e4m3 = rows
+    assert write["write"] and write["host"] == "torch.uint8"
+    assert write["dtypes"] == {"kv": "torch.float8_e4m3fn"}
+    # Same host storage dtype (uint8) and page size; only the logical dtype differs.
+    assert e5m2["host"] == e4m3["host"] == "torch.uint8"
+    assert e5m2["hit"] == 0, "a page written as fp8_e4m3fn was a hit under fp8_e5m2"
+    assert e4m3["hit"] == 1  # control: the same format reloads it
