@@ -68,19 +68,47 @@ CODE = textwrap.dedent(
                 label=ident.label(),
                 ranges_match=[list(up[0]), list(up[1])] == [list(r) for r in node_rank_ranges(
                     p.tp_size, p.pp_size, p.nnodes, p.node_rank)])))
-    else:  # fp8: a page written under one fp8 format, then a `load` restart under the other
+    else:
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
         from sglang_cp.integration.l3_storage_backend import CpL3Storage
         sa, extra = server([])
         spawn(sa, 0, None)
         tokens = torch.arange(64, dtype=torch.int64)
 
-        def backend(dtype, cold_start):
+        def backend(dtype, cold_start, sidecar=None):
             c = controller(dtype)
             sc = c._generate_storage_config("m", dict(extra, cp_l3_cold_start=cold_start))
             b = CpL3Storage(sc)
             b.register_mem_pool_host(c.mem_pool_host)
-            b.on_host_pools_registered()
+            if sidecar is not None:
+                b.register_mem_host_pool_v2(controller(dtype).mem_pool_host, sidecar)
+            try:
+                b.on_host_pools_registered()
+            except Exception as e:
+                return b, type(e).__name__ + ": " + str(e)
             return b, c.mem_pool_host
+
+    if what == "hybrid":
+        import os
+        b, _ = backend(torch.bfloat16, "clear")
+        # A second process-local opener of the same identity (as a second server would be).
+        _, err = backend(torch.bfloat16, "clear")
+        print("ROW", json.dumps(dict(collide=err, pid=os.getpid(), label=b.identity.label())))
+        # A trailing-window pool that shows up after attach: a miss and a counter, no exception.
+        try:
+            res = b.batch_exists_v2(["page-0"], [PoolTransfer(name=PoolName.SWA, keys=["page-0"],
+                                                              hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+            out = dict(hit=res.kv_hit_pages, counted=b.unsupported_queries)
+        except Exception as e:
+            out = dict(raised=type(e).__name__ + ": " + str(e))
+        print("ROW", json.dumps(out))
+        b.close()
+        for pool in (PoolName.SWA, PoolName.MAMBA):
+            b, err = backend(torch.bfloat16, "clear", sidecar=pool)
+            print("ROW", json.dumps(dict(pool=pool.value, refused=err if isinstance(err, str) else None,
+                                         opened=b.store is not None)))
+            b.close()
+    elif what == "fp8":  # a page written under one fp8 format, then a `load` restart under the other
 
         b, host = backend(torch.float8_e4m3fn, "clear")
         host.get_data_page(0, flat=True).view(torch.uint8).copy_(torch.randint(0, 256, (host.get_data_page(0, flat=True).numel(),), dtype=torch.uint8))
@@ -141,3 +169,17 @@ def test_fp8_formats_never_share_a_page(l3cfg):
     assert e5m2["host"] == e4m3["host"] == "torch.uint8"
     assert e5m2["hit"] == 0, "a page written as fp8_e4m3fn was a hit under fp8_e5m2"
     assert e4m3["hit"] == 1  # control: the same format reloads it
+
+
+def test_second_owner_and_hybrid_pools_are_refused_at_attach(l3cfg):
+    collide, trailing, swa, mamba = _rows(l3cfg, "hybrid")
+    # The same identity opened twice: the second attach fails, naming the identity and the holder.
+    err = collide["collide"]
+    assert err.startswith("L3OwnershipError: disks[0].path: L3 rank 0 is already owned by pid "
+                          f"{collide['pid']} ({collide['label']})"), err
+    assert "namespace" in err
+    # Upstream asked with a trailing-window policy: one miss and a counter, not an exception.
+    assert trailing == {"hit": 0, "counted": 1}, trailing
+    for row in (swa, mamba):
+        assert not row["opened"] and row["refused"].startswith("L3StartupError: --enable-cp-l3: this model has "
+                                                               f"hybrid pools ({row['pool']})"), row
