@@ -54,6 +54,9 @@ def _cmd_check_args(ns) -> int:
     console = Console()
     try:
         server_args = parse_launch_args(ns.launch_args)
+        from sglang_cp.integration.l3_backend_select import check_no_live_owner
+
+        check_no_live_owner(server_args)  # a second server on a live L3 config would fail at open
     except (CpArgsError, ValueError) as e:
         console.print(f"[bold red]rejected[/]: {e}")
         return 2

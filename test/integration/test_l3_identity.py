@@ -183,3 +183,44 @@ def test_second_owner_and_hybrid_pools_are_refused_at_attach(l3cfg):
     for row in (swa, mamba):
         assert not row["opened"] and row["refused"].startswith("L3StartupError: --enable-cp-l3: this model has "
                                                                f"hybrid pools ({row['pool']})"), row
+
+
+HOLD = textwrap.dedent(
+    """
+    import sys
+    from sglang_cp.l3 import L3Store, load_l3_config
+    s = L3Store(load_l3_config(sys.argv[1]), rank=0, ranks_per_node=1, payloads={"kv": 16384},
+                owner="server A rank 0")
+    print("ready", flush=True)
+    sys.stdin.read()
+    s.close()
+    """
+)
+
+
+def test_check_args_refuses_a_config_a_live_server_owns_and_accepts_its_own_namespace(l3cfg):
+    import os
+    import subprocess
+    import sys
+
+    from test_doctor_cli import run
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, l3cfg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        argv = ["check-args", "--", "--model-path", "dummy", "--enable-hierarchical-cache", "--enable-cp-l3",
+                "--cp-l3-config"]
+        bad = run(*argv, l3cfg)
+        assert bad.returncode == 2, bad.stdout + bad.stderr
+        out = " ".join(bad.stdout.split())
+        assert f"L3 rank 0 of this config (no namespace) is owned by live pid {holder.pid} (server A rank 0)" in out
+        # A second server on the same directories with its own namespace: accepted.
+        other = os.path.join(os.path.dirname(l3cfg), "l3-b.toml")
+        with open(other, "w") as f:
+            f.write('namespace = "server-b"\n' + open(l3cfg).read())
+        ok = run(*argv, other)
+        assert ok.returncode == 0 and "accepted" in ok.stdout, ok.stdout + ok.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

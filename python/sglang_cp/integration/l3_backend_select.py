@@ -60,6 +60,28 @@ def select_backend(server_args) -> None:
     )
 
 
+def check_no_live_owner(server_args) -> None:
+    """Refuse (CpArgsError) an L3 config whose ranks a live process owns: a server started with it
+    would fail when its store opens (``l3/ownership.py``). For ``sglang-cp check-args`` only: a
+    server's own processes hold these locks while it runs."""
+    f = cp_args.flags_of(server_args)
+    if not (f.enable_cp_l3 and f.cp_l3_config):
+        return
+    from sglang_cp.l3.ownership import probe
+
+    cfg = cp_args.load_config(f.cp_l3_config)
+    for directory in [cfg.index_dir] + [cfg.slab_dir(d.path) for d in cfg.disks]:
+        held = probe(directory)
+        if held:
+            rank, holder = held[0]
+            ns = f"namespace '{cfg.namespace}'" if cfg.namespace else "no namespace"
+            raise cp_args.CpArgsError(
+                f"--cp-l3-config {f.cp_l3_config}: L3 rank {rank} of this config ({ns}) is owned by live pid "
+                f"{holder.pid} ({holder.owner or 'owner not recorded'}) through '{directory}'; a server started "
+                "with it would fail when its store opens. Stop that server, or give this one its own "
+                "`namespace` in its L3 TOML")
+
+
 def _ours_selected(server_args) -> bool:
     cfg = resolving_view(server_args)
     return cfg.hicache_storage_backend == "dynamic" and cp_args.L3_BACKEND_NAME in str(
