@@ -9,7 +9,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(REPO, "README.md")).read()
 ERRORS = ("CpArgsError", "L3ConfigError", "L3StartupError", "HugepageL2Error", "NotHugetlbfsError",
-          "InsufficientHugepagesError", "SlabPlanError", "SlabOwnershipError")
+          "InsufficientHugepagesError", "SlabPlanError", "SlabOwnershipError", "L3OwnershipError")
 
 
 def _section(title: str) -> str:
