@@ -55,19 +55,19 @@ CODE = textwrap.dedent(
         initialize_dp_attention(sa)
 
     if what == "topology":
-        argv, spawns = json.loads(sys.argv[3]), json.loads(sys.argv[4])
-        sa, extra = server(argv)
-        for world_rank, dp_rank in spawns:
-            spawn(sa, world_rank, dp_rank)
-            sc = controller(torch.bfloat16)._generate_storage_config("m", dict(extra))
-            ident = derive_identity(sc, runtime_topology())
-            p = get_parallel()
-            up = _calculate_rank_ranges(p.node_rank)
-            print("ROW", json.dumps(dict(
-                old=sc.tp_rank + sc.tp_size * sc.pp_rank, local=ident.local_rank, count=ident.local_count,
-                label=ident.label(),
-                ranges_match=[list(up[0]), list(up[1])] == [list(r) for r in node_rank_ranges(
-                    p.tp_size, p.pp_size, p.nnodes, p.node_rank)])))
+        for case, argv, spawns in json.loads(sys.argv[3]):
+            sa, extra = server(argv)
+            for world_rank, dp_rank in spawns:
+                spawn(sa, world_rank, dp_rank)
+                sc = controller(torch.bfloat16)._generate_storage_config("m", dict(extra))
+                ident = derive_identity(sc, runtime_topology())
+                p = get_parallel()
+                up = _calculate_rank_ranges(p.node_rank)
+                ours = node_rank_ranges(p.tp_size, p.pp_size, p.nnodes, p.node_rank)
+                print("ROW", json.dumps(dict(
+                    case=case, old=sc.tp_rank + sc.tp_size * sc.pp_rank, local=ident.local_rank,
+                    count=ident.local_count, label=ident.label(),
+                    ranges_match=[list(up[0]), list(up[1])] == [list(r) for r in ours])))
     else:
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
         from sglang_cp.integration.l3_storage_backend import CpL3Storage
@@ -139,25 +139,29 @@ def l3cfg(disk_tmp):
     return write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
 
 
-@pytest.mark.parametrize("argv,spawns,expect_count,case", [
+CASES = [
     # --tp 8 --dp 8 --enable-dp-attention: the storage config carries attention-TP values (all
-    # tp_rank 0 of size 1); upstream's old rank formula made all eight processes L3 rank 0.
-    (["--tp", "8", "--dp", "8", "--enable-dp-attention"], [[i, i] for i in range(8)], 8, "dp-attention"),
+    # tp_rank 0 of size 1); the old rank formula made all eight processes L3 rank 0.
+    ("dp-attention", ["--tp", "8", "--dp", "8", "--enable-dp-attention"], [[i, i] for i in range(8)], 8),
     # --dp 2 replicas of --tp 4: separate worlds, TP ranks from 0 in each.
-    (["--tp", "4", "--dp", "2"], [[t, d] for d in range(2) for t in range(4)], 8, "replicas"),
+    ("replicas", ["--tp", "4", "--dp", "2"], [[t, d] for d in range(2) for t in range(4)], 8),
     # Two nodes: node 1 runs TP 4..7; its L3 ranks are 0..3 of 4 (its own disks, its own split).
-    (["--tp", "8", "--dp", "8", "--enable-dp-attention", "--nnodes", "2", "--node-rank", "1",
-      "--dist-init-addr", "127.0.0.1:5000"], [[i, i] for i in range(4, 8)], 4, "two-nodes"),
-])
-def test_every_kv_owner_of_a_node_is_its_own_l3_rank(l3cfg, argv, spawns, expect_count, case):
-    rows = _rows(l3cfg, "topology", json.dumps(argv), json.dumps(spawns))
-    assert len(rows) == len(spawns)
-    assert sorted(r["local"] for r in rows) == list(range(expect_count)), rows
-    assert {r["count"] for r in rows} == {expect_count}  # the per-disk capacity split: this node's ranks
-    assert all(r["ranges_match"] for r in rows)  # our node split is upstream's _calculate_rank_ranges
-    if case != "two-nodes":
-        # The formula this replaces: several processes shared one L3 rank.
-        assert len({r["old"] for r in rows}) < len(rows), rows
+    ("two-nodes", ["--tp", "8", "--dp", "8", "--enable-dp-attention", "--nnodes", "2", "--node-rank", "1",
+                   "--dist-init-addr", "127.0.0.1:5000"], [[i, i] for i in range(4, 8)], 4),
+]
+
+
+def test_every_kv_owner_of_a_node_is_its_own_l3_rank(l3cfg):
+    rows = _rows(l3cfg, "topology", json.dumps([[c, a, s] for c, a, s, _ in CASES]))
+    for case, _argv, spawns, expect_count in CASES:
+        mine = [r for r in rows if r["case"] == case]
+        assert len(mine) == len(spawns), (case, rows)
+        assert sorted(r["local"] for r in mine) == list(range(expect_count)), (case, mine)
+        assert {r["count"] for r in mine} == {expect_count}  # the per-disk capacity split: this node's ranks
+        assert all(r["ranges_match"] for r in mine)  # our node split is upstream's _calculate_rank_ranges
+        if case != "two-nodes":
+            # The formula this replaces: several processes shared one L3 rank.
+            assert len({r["old"] for r in mine}) < len(mine), (case, mine)
 
 
 def test_fp8_formats_never_share_a_page(l3cfg):
