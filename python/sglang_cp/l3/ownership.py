@@ -127,13 +127,37 @@ class RankLock:
         self.release()
 
 
+def _flocked_inodes() -> set[tuple[int, int, int]]:
+    """(major, minor, inode) of every file someone holds an flock on, from /proc/locks."""
+    held = set()
+    try:
+        with open("/proc/locks") as f:
+            lines = f.readlines()
+    except OSError:
+        return held
+    for line in lines:
+        parts = line.split()
+        if "FLOCK" not in parts or "->" in parts:  # "->": a waiter, not a holder
+            continue
+        try:
+            major, minor, ino = parts[parts.index("FLOCK") + 4].split(":")
+            held.add((int(major, 16), int(minor, 16), int(ino)))
+        except (IndexError, ValueError):
+            continue
+    return held
+
+
 def probe(directory: str) -> list[tuple[int, Holder]]:
-    """(rank, holder) for every lock file in ``directory`` a live process holds (nothing is taken)."""
+    """(rank, holder) for every lock file in ``directory`` a live process holds.
+
+    Reads /proc/locks and takes no lock itself, so probing never makes a starting owner fail.
+    """
     out: list[tuple[int, Holder]] = []
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         return out
+    held = None
     for name in names:
         if not (name.startswith("r") and name.endswith(LOCK_SUFFIX) and name[1:-len(LOCK_SUFFIX)].isdigit()):
             continue
@@ -143,14 +167,13 @@ def probe(directory: str) -> list[tuple[int, Holder]]:
         except OSError:
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
+            if held is None:
+                held = _flocked_inodes()
+            if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held:
                 out.append((int(name[1:-len(LOCK_SUFFIX)]), _read_holder(fd)))
-            else:
-                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
     return out
