@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from .acks import Ack, AckKind, OpState
-from .aligned import ALIGN, BounceBuffers
+from .aligned import ALIGN, BounceBuffers, aligned_buffer
 from .blob import BlobError, key_digest, write_extent
 from .config import L3Config
 from .disk_slab import DiskSlab, FaultInjector
@@ -134,7 +134,12 @@ class L3Store:
         self._read_permits = max(config.io.max_inflight_pages, config.io.threads)
         self._read_slots = Tokens(self._read_permits)
         self._bounce = BounceBuffers()
-        self._landing = BounceBuffers()  # per I/O thread: where reads land before they are copied out
+        # Where reads land before they are copied out: one area per read I/O thread and payload, faulted
+        # in at open (first touch is slow on VMs) and handed to a thread on its first read.
+        self._landing_tls = threading.local()
+        self._landing_lock = threading.Lock()
+        self._landing_free = {p.name: [memoryview(aligned_buffer(_landing_bytes(p), populate=True, huge=True))
+                                       for _ in range(config.io.threads)] for p in self._pools.values()}
         self._op_ids = itertools.count(1)
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
@@ -487,10 +492,19 @@ class L3Store:
         """This I/O thread's landing area for `n` pages (4 KiB-aligned, one per page). A thread stuck in
         the kernel keeps its own area, so a late completion lands where nobody else looks."""
         stride = -(-pool.page_bytes // ALIGN) * ALIGN
-        per_thread = max(1, _READ_IO_BYTES // pool.extent)
-        if n > per_thread:
-            raise L3InvariantError(f"read run of {n} pages exceeds the landing area ({per_thread} pages)")
-        area = self._landing.get(per_thread * stride)
+        if n * stride > _landing_bytes(pool):
+            raise L3InvariantError(f"read run of {n} pages exceeds the landing area ({_landing_bytes(pool)} B)")
+        areas = getattr(self._landing_tls, "areas", None)
+        if areas is None:
+            areas = self._landing_tls.areas = {}
+        area = areas.get(pool.name)
+        if area is None:
+            with self._landing_lock:
+                free = self._landing_free[pool.name]
+                area = free.pop() if free else None
+            if area is None:  # more read threads than io.threads: cannot happen with the pool as built
+                area = memoryview(aligned_buffer(_landing_bytes(pool)))
+            areas[pool.name] = area
         return [area[k * stride:k * stride + pool.page_bytes] for k in range(n)]
 
     def _deliver(self, op: OpState, pairs: list[tuple[memoryview, memoryview]], oks: list[bool]) -> list[bool]:
@@ -502,8 +516,8 @@ class L3Store:
             return [False] * len(oks)
         try:
             for (src, dst), ok in zip(pairs, oks):
-                if ok:
-                    dst[:] = src
+                if ok:  # numpy copies without holding the GIL
+                    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
         finally:
             op.end_io()
         return oks
@@ -787,6 +801,11 @@ class L3Store:
 
 
 cold_start_fn = cold_start
+
+
+def _landing_bytes(pool: PayloadPool) -> int:
+    """One read I/O thread's landing area for a payload: the longest coalesced read (_read_runs)."""
+    return max(1, _READ_IO_BYTES // pool.extent) * (-(-pool.page_bytes // ALIGN) * ALIGN)
 
 
 def _left(deadline: Optional[float]) -> Optional[float]:
