@@ -64,11 +64,14 @@ KV_PAYLOAD = PoolName.KV.value
 TRAILING_POOLS = frozenset(n.value for n in (
     PoolName.MAMBA, PoolName.SWA, PoolName.AUXILIARY_SWA, PoolName.DRAFT_SWA, PoolName.DEEPSEEK_V4_C4_STATE,
     PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, PoolName.DEEPSEEK_V4_C128_STATE))
-# Upstream's prefetch thread calls us synchronously; a stuck disk must not wedge it (and
-# with it shutdown): past this bound the unfinished pages are misses, and the store stops
-# touching the host pages before read_pages returns. Writes have no such bound: the store
-# may read the caller's pages until the write completes, and upstream frees them after.
+# Upstream's prefetch and backup threads call us synchronously; a stuck disk must not wedge
+# them (and with them shutdown). Past READ_TIMEOUT_S the unfinished pages are misses; reads
+# land in the store's own memory, so nothing reaches the host pages after read_pages
+# returned. Past WRITE_TIMEOUT_S the pages not yet durable are reported not written; with a
+# timeout the store copies the host pages into its staging memory first, so it never reads
+# them after write_pages returned (upstream may free or reuse them then).
 READ_TIMEOUT_S = 60.0
+WRITE_TIMEOUT_S = 60.0
 
 # Per storage-thread scratch: the phase vector of the last hit query (read by the
 # agreement hook on the same thread) -- see l3_prefetch_agreement.
@@ -248,7 +251,7 @@ class CpL3Storage(HiCacheStorage):
         pool = self._pool_for(payload)
         pages = [_as_bytes_view(pool.get_data_page(row, flat=True)) for _i, row in mine]
         store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
-        ok = self.store.write_pages(payload, store_keys, pages)
+        ok = self.store.write_pages(payload, store_keys, pages, timeout=WRITE_TIMEOUT_S)
         for (i, _row), good in zip(mine, ok):
             results[i] = bool(good)
         return results
@@ -347,7 +350,8 @@ class CpL3Storage(HiCacheStorage):
     def get(self, key, target_location=None, target_sizes=None):
         out = target_location if target_location is not None else torch.empty(
             self.payloads[KV_PAYLOAD], dtype=torch.uint8)
-        ok = self.store.read_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()), [_as_bytes_view(out)])
+        ok = self.store.read_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()), [_as_bytes_view(out)],
+                                   timeout=READ_TIMEOUT_S)
         return out if ok[0] else None
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
@@ -356,11 +360,11 @@ class CpL3Storage(HiCacheStorage):
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
         return self.store.write_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()),
-                                      [_as_bytes_view(value)])[0]
+                                      [_as_bytes_view(value)], timeout=WRITE_TIMEOUT_S)[0]
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
         return all(self.store.write_pages(KV_PAYLOAD, self.keys.keys(keys, self._owner_key_rank()),
-                                          [_as_bytes_view(v) for v in values]))
+                                          [_as_bytes_view(v) for v in values], timeout=WRITE_TIMEOUT_S))
 
     def clear(self) -> None:
         if self.store is not None:

@@ -72,6 +72,11 @@ class OpState:
             self.running -= 1
             self.cond.notify_all()
 
+    def cancel(self) -> None:
+        """Stop pages that have not started touching caller memory; do not wait for the others."""
+        with self.cond:
+            self.cancelled = True
+
     def cancel_and_quiesce(self) -> None:
         """Stop pages that have not started; wait for those already writing into caller memory."""
         with self.cond:

@@ -5,14 +5,20 @@ One environment per node, opened by every rank process (LMDB serialises writers 
 durability point of a page. A full map grows (x2 up to the configured maximum); in-process readers are
 fenced by a reader/writer lock because LMDB forbids resizing with transactions open in the process.
 When another process grew the map, LMDB reports MapResizedError and we adopt the new size.
+A process killed inside a read txn (a rank, `sglang-cp l3 stats`) leaves its reader slot behind, and
+that slot pins a snapshot: no page freed after it can be reused, so the file grows on every commit up
+to the map limit. `reader_check()` clears slots of dead processes: at open, before growing the map,
+and at most every _READER_CHECK_INTERVAL_S on the write path (one scan of the reader table).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import threading
+import time
 from typing import Iterable, NamedTuple, Optional
 
 import lmdb
@@ -20,6 +26,8 @@ import lmdb
 from .errors import L3StartupError
 
 _VAL = struct.Struct("<HHIIQQQ")
+_READER_CHECK_INTERVAL_S = 10.0
+logger = logging.getLogger(__name__)
 
 
 class IndexEntry(NamedTuple):
@@ -98,10 +106,25 @@ class LmdbIndex:
         except lmdb.Error as e:
             raise L3StartupError(f"index.dir: cannot open the LMDB index at '{path}' ({e}); "
                                  "check the directory is writable and on a local filesystem") from None
+        self.stale_readers_cleared = 0
+        self._reader_check()
         # Another rank may already have grown the map beyond our configured start size.
         cur = self.env.info()["map_size"]
         if cur < map_size:
             self.env.set_mapsize(map_size)
+
+    def _reader_check(self) -> int:
+        """Clear reader slots left by dead processes; returns how many were cleared."""
+        self._last_reader_check = time.monotonic()
+        try:
+            n = self.env.reader_check()
+        except lmdb.Error as e:
+            logger.warning("L3 index %s: reader check failed (%s)", self.path, e)
+            return 0
+        if n:
+            self.stale_readers_cleared += n
+            logger.warning("L3 index %s: cleared %d reader slot(s) left by dead processes", self.path, n)
+        return n
 
     # -- transactions -------------------------------------------------------------------------------
 
@@ -130,6 +153,8 @@ class LmdbIndex:
             self.env.set_mapsize(0)
 
     def _grow(self) -> bool:
+        if self._reader_check():
+            return True  # a dead reader pinned old pages: retry before growing
         with self._rw.exclusive():
             cur = self.env.info()["map_size"]
             if cur >= self.max_map_size:
@@ -140,6 +165,8 @@ class LmdbIndex:
 
     def _write(self, fn):
         """Run fn(txn) in a write txn; on MapFull grow and retry; IndexFull when at max."""
+        if time.monotonic() - self._last_reader_check >= _READER_CHECK_INTERVAL_S:
+            self._reader_check()
         while True:
             try:
                 with self._txn(write=True) as txn:

@@ -3,9 +3,51 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 from .aligned import aligned_buffer
+from .errors import L3InvariantError
+
+
+class Tokens:
+    """A counting semaphore whose waits take a deadline (time.monotonic) and end when it is shut:
+    a token held by I/O stuck on a dead disk may never come back, and nobody may wait for it
+    past their bound or past close()."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free = limit
+        self._shut = False
+        self._cond = threading.Condition()
+
+    def acquire(self, blocking: bool = True, deadline: Optional[float] = None) -> bool:
+        with self._cond:
+            while not self._free or self._shut:
+                if self._shut or not blocking:
+                    return False
+                if deadline is None:
+                    self._cond.wait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            self._free -= 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._free >= self.limit:
+                raise L3InvariantError(f"token released twice ({self.limit} tokens)")
+            self._free += 1
+            self._cond.notify()
+
+    def shut(self) -> None:
+        """Every waiter (now and later) gets False at once."""
+        with self._cond:
+            self._shut = True
+            self._cond.notify_all()
 
 
 class Staging:
@@ -16,7 +58,7 @@ class Staging:
     (slow on VMs with free-page reporting). A token comes back when its page's pwrite returned."""
 
     def __init__(self, limit: int, extents: set[int]):
-        self._sem = threading.BoundedSemaphore(limit)
+        self._sem = Tokens(limit)
         self._free: dict[int, list[memoryview]] = {}
         self._arenas = []
         for ext in extents:
@@ -26,11 +68,13 @@ class Staging:
             self._free[ext] = [mv[i * ext:(i + 1) * ext] for i in range(limit)]
         self._tails: dict[int, list[memoryview]] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self.limit = limit
         self.in_use = 0
 
-    def acquire(self, extent: int, blocking: bool = True) -> Optional[memoryview]:
-        if not self._sem.acquire(blocking):
+    def acquire(self, extent: int, blocking: bool = True, deadline: Optional[float] = None) -> Optional[memoryview]:
+        """A staging slot, or None: not blocking and none free, past `deadline`, or shut."""
+        if not self._sem.acquire(blocking, deadline):
             return None
         with self._lock:
             self.in_use += 1
@@ -39,6 +83,8 @@ class Staging:
     def release(self, extent: int, buf: memoryview) -> None:
         with self._lock:
             self.in_use -= 1
+            if self._closed:  # a submit that raced close() hands its slot back late
+                return
             self._free[extent].append(buf)
         self._sem.release()
 
@@ -55,8 +101,15 @@ class Staging:
         with self._lock:
             self._tails.setdefault(buf.nbytes, []).append(buf)
 
+    def shut(self) -> None:
+        """Wake every submitter waiting for a slot (the store is closing); later acquires get None."""
+        self._sem.shut()
+
     def close(self) -> None:
-        self._free.clear()
+        self._sem.shut()
+        with self._lock:
+            self._closed = True
+            self._free.clear()
         for a in self._arenas:
             try:
                 a.close()

@@ -3,6 +3,9 @@
 Threads: callers submit; one write thread owns slot pools, LRU and GC and commits the index; two I/O
 pools (`io.threads` each) do O_DIRECT writes and reads. Durability order per group of writes:
 data -> fdatasync -> index commit -> DURABLE ack. Deletes: index delete -> slot free.
+Reads land in memory the store owns and are copied out only once verified, so a read that never
+comes back cannot touch the caller's pages; read_pages / write_pages with a timeout and close()
+return within their bound even when the device never answers.
 Design and crash guarantees: docs_internal/l3_store.md.
 """
 
@@ -22,7 +25,7 @@ from typing import Optional
 import numpy as np
 
 from .acks import Ack, AckKind, OpState
-from .aligned import BounceBuffers
+from .aligned import ALIGN, BounceBuffers, aligned_buffer
 from .blob import BlobError, key_digest, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
@@ -33,7 +36,7 @@ from .ownership import RankLock
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
 from .recovery import COLD_START_MODES, cold_start, write_record as write_cold_start_record
-from .staging import Staging
+from .staging import Staging, Tokens
 from .writer import WriteThread, WriteTask
 
 logger = logging.getLogger(__name__)
@@ -46,12 +49,17 @@ _MESSAGE_BYTES = 8 << 20
 # one page per request read 0.90x raw over 4 GiB, three per request 0.97x. At 64 KiB pages the request
 # count bound keeps requests near 1 MiB (fewer, larger ones read slower there: 1.35x vs 1.46x raw).
 _READ_IO_BYTES = 4 << 20
+# close() waits this long for in-flight I/O and the last group commit; past it, pending operations fail
+# and the files stay open for threads still inside a syscall (a hung device).
+CLOSE_TIMEOUT_S = 30.0
+# delete() / clear() wait this long for the write thread (clear waits for writes in flight to settle).
+CONTROL_TIMEOUT_S = 60.0
 
 COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages", "write_already_durable", "write_errors",
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
             "header_errors", "foreign_blobs", "short_reads", "bad_pages_dropped", "gc_reclaimed",
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
-            "deleted_pages", "pool_full")
+            "deleted_pages", "pool_full", "read_timeouts", "write_timeouts")
 
 
 class L3Store:
@@ -143,8 +151,14 @@ class L3Store:
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
         self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
         self._read_permits = max(config.io.max_inflight_pages, config.io.threads)
-        self._read_slots = threading.BoundedSemaphore(self._read_permits)
+        self._read_slots = Tokens(self._read_permits)
         self._bounce = BounceBuffers()
+        # Where reads land before they are copied out: one area per read I/O thread and payload, faulted
+        # in at open (first touch is slow on VMs) and handed to a thread on its first read.
+        self._landing_tls = threading.local()
+        self._landing_lock = threading.Lock()
+        self._landing_free = {p.name: [memoryview(aligned_buffer(_landing_bytes(p), populate=True, huge=True))
+                                       for _ in range(config.io.threads)] for p in self._pools.values()}
         self._op_ids = itertools.count(1)
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
@@ -152,6 +166,11 @@ class L3Store:
         self._live_ops: set[OpState] = set()
         self._touches: collections.deque = collections.deque()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._post_lock = threading.Lock()  # orders posts against the write thread's exit
+        self._stopped = False               # the write thread takes no more messages
+        self._abandoned = False             # close() gave up waiting for it
+        self._io_cond = threading.Condition()
+        self._io_tasks = 0                  # I/O pool tasks submitted and not yet finished
         self._reads_inflight = 0
         self._wio = ThreadPoolExecutor(config.io.threads, thread_name_prefix=f"l3w-r{rank}")
         self._rio = ThreadPoolExecutor(config.io.threads, thread_name_prefix=f"l3r-r{rank}")
@@ -165,7 +184,7 @@ class L3Store:
         return self._submit_write(payload, keys, pages, False).op_id
 
     def _submit_write(self, payload: str, keys: list[bytes], pages: list, sync: bool,
-                      zero_copy: bool = False) -> OpState:
+                      zero_copy: bool = False, deadline: Optional[float] = None) -> OpState:
         pool = self._pool(payload)
         if len(pages) != len(keys):
             raise ValueError(f"submit_write: {len(keys)} keys but {len(pages)} pages; pass one page per key")
@@ -214,16 +233,24 @@ class L3Store:
                 batch.append(task)
                 batch_bytes += pool.page_bytes
                 if batch_bytes >= _MESSAGE_BYTES:
-                    self._q.put(("write", batch))
+                    self._post(("write", batch))
                     batch, batch_bytes = [], 0
                 continue
             buf = self._staging.acquire(pool.extent, blocking=False)
             if buf is None:
                 # Hand over what we staged before blocking: those pages hold the tokens we wait for.
                 if batch:
-                    self._q.put(("write", batch))
+                    self._post(("write", batch))
                     batch, batch_bytes = [], 0
-                buf = self._staging.acquire(pool.extent)
+                buf = self._staging.acquire(pool.extent, deadline=deadline)
+                if buf is None:  # past the caller's bound (tokens held by a stuck disk), or closing
+                    if deadline is not None and not self._closed:
+                        self._count("write_timeouts", len(keys) - i)
+                    for j in range(i, len(keys)):
+                        if op.results[j] is None:
+                            self._emit(op, j, AckKind.GATHERED, False)
+                            self._finish(op, j, AckKind.DURABLE, False)
+                    break
             np.copyto(np.frombuffer(buf, dtype=np.uint8, count=pool.page_bytes),
                       np.frombuffer(view, dtype=np.uint8))
             task = WriteTask(pool, ikey, digests[i], buf, [(op, i)])
@@ -241,10 +268,10 @@ class L3Store:
             batch.append(task)
             batch_bytes += pool.page_bytes
             if batch_bytes >= _MESSAGE_BYTES:
-                self._q.put(("write", batch))
+                self._post(("write", batch))
                 batch, batch_bytes = [], 0
         if batch:
-            self._q.put(("write", batch))
+            self._post(("write", batch))
         return op
 
     def submit_read(self, payload: str, keys: list[bytes], outs: list) -> int:
@@ -262,16 +289,28 @@ class L3Store:
         return out
 
     def write_pages(self, payload: str, keys: list[bytes], pages: list, timeout: Optional[float] = None) -> list[bool]:
-        op = self._submit_write(payload, keys, pages, True, zero_copy=True)
-        if not op.done.wait(timeout):
-            op.cancel_and_quiesce()  # no I/O may read the caller's pages after we return
+        """Write and wait for DURABLE. With a timeout it returns within it whatever the device does:
+        pages are copied into staging first (nothing reads `pages` after the return) and a page not
+        durable in time is reported False (it may still become durable later: it is then a hit with
+        its exact bytes). Without one, aligned pages are written straight from `pages` (no copy) and
+        the call waits as long as the device takes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        op = self._submit_write(payload, keys, pages, True, zero_copy=timeout is None, deadline=deadline)
+        if not op.done.wait(_left(deadline)):
+            self._timed_out(op, "write_timeouts")
+        op.cancel_and_quiesce()  # zero-copy only: no I/O may read the caller's pages after we return
         self._raise_fatal()
         return op.final()
 
     def read_pages(self, payload: str, keys: list[bytes], outs: list, timeout: Optional[float] = None) -> list[bool]:
-        op = self._submit_read(payload, keys, outs, True)
-        if not op.done.wait(timeout):
-            op.cancel_and_quiesce()  # nothing may land in `outs` after we return
+        """Read, verify and wait. With a timeout it returns within it whatever the device does: a page
+        not read in time is a miss. Reads land in the store's own memory and are copied into `outs`
+        only once verified, so a read that completes late never touches `outs`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        op = self._submit_read(payload, keys, outs, True, deadline)
+        if not op.done.wait(_left(deadline)):
+            self._timed_out(op, "read_timeouts")
+        op.cancel_and_quiesce()  # waits only for copies into `outs` under way (memory, never the disk)
         self._raise_fatal()
         return op.final()
 
@@ -316,16 +355,35 @@ class L3Store:
             "cold_start": self._cold_start,
         }
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop: let writes in flight commit, then close files. Returns within `timeout` even when the
+        device never answers: past it every pending operation fails (DURABLE/READ ok=False, sync calls
+        return False), submitters blocked on backpressure give up their remaining pages, and files and
+        the index stay open for the threads still inside a syscall (released at process exit).
+        Default bound: CLOSE_TIMEOUT_S."""
         if self._closed:
             return
         self._closed = True
-        if self._writer.is_alive():
-            done = threading.Event()
-            self._q.put(("stop", done))
-            self._writer.join()
-        self._wio.shutdown(wait=True)
-        self._rio.shutdown(wait=True)
+        timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._staging.shut()      # wake submitters waiting for a staging slot
+        self._read_slots.shut()   # and readers waiting for a read permit
+        self._post(("stop", threading.Event()))
+        self._writer.join(_left(deadline))
+        if self._writer.is_alive():  # a write or fdatasync never returned
+            with self._post_lock:
+                self._stopped = self._abandoned = True
+            self._fail_inflight()
+            self._drain_queue()
+        quiet = self._wait_io_idle(deadline)
+        self._fail_live_ops()
+        self._wio.shutdown(wait=False, cancel_futures=True)
+        self._rio.shutdown(wait=False, cancel_futures=True)
+        if self._writer.is_alive() or not quiet:
+            logger.error("L3 rank %d: close() gave up after %.1f s: the device did not answer (%d I/O request(s) "
+                         "still in flight); pending operations failed, the slab files and the index stay open "
+                         "until the process exits", self.rank, timeout, self._io_tasks)
+            return
         for pool in self._pools.values():
             pool.slab.close()
         self._index.close()
@@ -369,6 +427,16 @@ class L3Store:
         with self._lock:
             self._live_ops.discard(op)
 
+    def _timed_out(self, op: OpState, counter: str) -> None:
+        """A sync caller's bound passed: its unfinished pages are reported False from now on."""
+        with op.cond:
+            late = sum(r is None for r in op.results)
+        with self._lock:
+            self._live_ops.discard(op)
+        self._count(counter, late)
+        self._log.warning(counter, "L3 rank %d: %d page(s) not done within the caller's timeout (the device "
+                          "is slow or not answering); reported as failed", self.rank, late)
+
     def _pool(self, payload: str) -> PayloadPool:
         pool = self._pools.get(payload)
         if pool is None:
@@ -391,7 +459,8 @@ class L3Store:
             raise ValueError(f"{arg}[{i}]: must be writable")
         return mv
 
-    def _submit_read(self, payload: str, keys: list[bytes], outs: list, sync: bool) -> OpState:
+    def _submit_read(self, payload: str, keys: list[bytes], outs: list, sync: bool,
+                     deadline: Optional[float] = None) -> OpState:
         pool = self._pool(payload)
         if len(outs) != len(keys):
             raise ValueError(f"submit_read: {len(keys)} keys but {len(outs)} outs; pass one buffer per key")
@@ -415,9 +484,17 @@ class L3Store:
                 self._finish(op, i, AckKind.READ, False)
                 continue
             todo.append((e.slot, i))
-        for run in self._read_runs(pool, sorted(todo), views):
-            for _ in run:
-                self._read_slots.acquire()
+        runs = self._read_runs(pool, sorted(todo))
+        for k, run in enumerate(runs):
+            if not self._acquire_read_slots(len(run), deadline):
+                # Past the caller's bound (permits held by reads stuck on the device) or closing.
+                left = [i for r in runs[k:] for _, i in r]
+                if deadline is not None and not self._closed:
+                    self._count("read_timeouts", len(left))
+                self._count("misses", len(left))
+                for i in left:
+                    self._finish(op, i, AckKind.READ, False)
+                break
             with self._lock:
                 self._reads_inflight += len(run)
             items = [(i, ikeys[i], digests[i], entries[i], views[i]) for _, i in run]
@@ -427,7 +504,49 @@ class L3Store:
                 self._submit_io(self._rio, self._read_run, op, pool, items)
         return op
 
-    def _read_runs(self, pool: PayloadPool, todo: list[tuple[int, int]], views: list) -> list:
+    def _acquire_read_slots(self, n: int, deadline: Optional[float]) -> bool:
+        for k in range(n):
+            if not self._read_slots.acquire(deadline=deadline):
+                for _ in range(k):
+                    self._read_slots.release()
+                return False
+        return True
+
+    def _landing_views(self, pool: PayloadPool, n: int) -> list[memoryview]:
+        """This I/O thread's landing area for `n` pages (4 KiB-aligned, one per page). A thread stuck in
+        the kernel keeps its own area, so a late completion lands where nobody else looks."""
+        stride = -(-pool.page_bytes // ALIGN) * ALIGN
+        if n * stride > _landing_bytes(pool):
+            raise L3InvariantError(f"read run of {n} pages exceeds the landing area ({_landing_bytes(pool)} B)")
+        areas = getattr(self._landing_tls, "areas", None)
+        if areas is None:
+            areas = self._landing_tls.areas = {}
+        area = areas.get(pool.name)
+        if area is None:
+            with self._landing_lock:
+                free = self._landing_free[pool.name]
+                area = free.pop() if free else None
+            if area is None:  # more read threads than io.threads: cannot happen with the pool as built
+                area = memoryview(aligned_buffer(_landing_bytes(pool)))
+            areas[pool.name] = area
+        return [area[k * stride:k * stride + pool.page_bytes] for k in range(n)]
+
+    def _deliver(self, op: OpState, pairs: list[tuple[memoryview, memoryview]], oks: list[bool]) -> list[bool]:
+        """Copy verified pages from the landing area into the caller's outs, unless the caller gave up:
+        after a timeout its memory is off limits and those pages are misses."""
+        if not any(oks):
+            return oks
+        if not op.begin_io():
+            return [False] * len(oks)
+        try:
+            for (src, dst), ok in zip(pairs, oks):
+                if ok:  # numpy copies without holding the GIL
+                    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+        finally:
+            op.end_io()
+        return oks
+
+    def _read_runs(self, pool: PayloadPool, todo: list[tuple[int, int]]) -> list:
         """Group pages of consecutive slots into coalesced reads (<= _READ_IO_BYTES, and at least
         2 x io.threads requests when there is enough work)."""
         threads = self.config.io.threads
@@ -441,34 +560,32 @@ class L3Store:
             run.append((slot, i))
         if run:
             runs.append(run)
-        out = []
-        for run in runs:
-            if len(run) > 1 and not pool.can_read_run([views[i] for _, i in run]):
-                out.extend([r] for r in run)
-            else:
-                out.append(run)
-        return out
+        if pool.can_read_run([]):  # the slab geometry allows it (landing areas are always aligned)
+            return runs
+        return [[r] for run in runs for r in run]
 
     def _read_run(self, op: OpState, pool: PayloadPool, items: list) -> None:
         """A coalesced read; if the read itself fails or comes back short, each page is retried alone
         so one bad sector or a truncated slab costs only its own pages."""
         oks = [False] * len(items)
         try:
-            if op.begin_io():
+            if not op.cancelled:  # else the sync caller timed out: skip the I/O
+                lands = self._landing_views(pool, len(items))
                 try:
-                    results = pool.read_run(items[0][3].slot, [(d, v) for _, _, d, _, v in items], self._bounce)
+                    results = pool.read_run(items[0][3].slot, [(it[2], land) for it, land in zip(items, lands)],
+                                            self._bounce)
                 except OSError:
                     results = None
-                finally:
-                    op.end_io()
                 if results is None:
-                    oks = [self._read_page_io(op, pool, ikey, d, e, out) for _, ikey, d, e, out in items]
+                    oks = [self._read_page_io(op, pool, ikey, d, e, land)
+                           for (_, ikey, d, e, _), land in zip(items, lands)]
                 else:
                     for k, r in enumerate(results):
                         if isinstance(r, BlobError):
                             self._bad_page(pool, items[k][1], items[k][3], r)
                         else:
                             oks[k] = True
+                oks = self._deliver(op, [(land, it[4]) for it, land in zip(items, lands)], oks)
         except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
             self._set_fatal(err)
         finally:
@@ -479,26 +596,26 @@ class L3Store:
                   out: memoryview) -> None:
         ok = False
         try:
-            ok = self._read_page_io(op, pool, ikey, digest, e, out)
+            land = self._landing_views(pool, 1)[0]
+            ok = self._deliver(op, [(land, out)], [self._read_page_io(op, pool, ikey, digest, e, land)])[0]
         except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
             self._set_fatal(err)
         finally:
             self._page_done(op, i, pool, ikey, ok)
 
     def _read_page_io(self, op: OpState, pool: PayloadPool, ikey: bytes, digest: bytes, e: IndexEntry,
-                      out: memoryview) -> bool:
-        if not op.begin_io():
-            return False  # the sync caller timed out: its buffers are off limits
+                      land: memoryview) -> bool:
+        """Read + verify one page into this thread's landing area (never the caller's memory)."""
+        if op.cancelled:
+            return False  # the sync caller timed out: skip the I/O
         try:
-            pool.read_page(e.slot, digest, out, self._bounce)
+            pool.read_page(e.slot, digest, land, self._bounce)
             return True
         except BlobError as err:
             self._bad_page(pool, ikey, e, err)
         except OSError as err:
             self._fault("read_errors", f"read-{err.errno}", "L3 read of %s slot %d failed: %s",
                         pool.name, e.slot, err)
-        finally:
-            op.end_io()
         return False
 
     def _page_done(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, ok: bool) -> None:
@@ -529,7 +646,7 @@ class L3Store:
         except (IndexFull, IndexUnavailable) as err:
             self._fault("index_errors", "index-d", "L3 index delete of a bad page failed (%s)", err)
             deleted = None
-        self._q.put(("drop", pool, ikey, e, deleted))
+        self._post(("drop", pool, ikey, e, deleted))
 
     def _exists(self, rows: list[list[bytes]]) -> int:
         self._raise_fatal()
@@ -551,10 +668,14 @@ class L3Store:
             raise RuntimeError("L3Store is closed")
         box: dict = {}
         done = threading.Event()
-        self._q.put((kind, done, box) + args)
-        done.wait()
+        self._post((kind, done, box) + args)
+        if not done.wait(CONTROL_TIMEOUT_S):
+            raise TimeoutError(f"L3 rank {self.rank}: {kind} did not finish within {CONTROL_TIMEOUT_S:g} s "
+                               "(the device is not answering); it runs once the device does")
         self._raise_fatal()
-        return box.get("result")
+        if "result" not in box:  # settled unrun: close() stopped the write thread meanwhile
+            raise RuntimeError("L3Store is closed")
+        return box["result"]
 
     def _emit(self, op: OpState, i: int, kind: AckKind, ok: bool) -> None:
         if not op.sync:
@@ -581,9 +702,96 @@ class L3Store:
 
     def _submit_io(self, pool: ThreadPoolExecutor, fn, *args) -> None:
         """Executor futures swallow exceptions; a task that dies outside its own handlers is a bug in
-        this store, so it turns fatal (and fails every waiting op) instead of leaving callers hanging."""
-        fut = pool.submit(fn, *args)
-        fut.add_done_callback(lambda f: f.exception() and self._set_fatal(f.exception()))
+        this store, so it turns fatal (and fails every waiting op) instead of leaving callers hanging.
+        Tasks are counted so that close() can tell when no thread is inside a syscall any more."""
+        with self._io_cond:
+            self._io_tasks += 1
+        try:
+            fut = pool.submit(fn, *args)
+        except RuntimeError:  # the pool was shut down by a close() that raced this submit
+            self._io_task_done(None)
+            return  # close() fails the op's pages
+        fut.add_done_callback(self._io_task_done)
+
+    def _io_task_done(self, fut) -> None:
+        with self._io_cond:
+            self._io_tasks -= 1
+            self._io_cond.notify_all()
+        if fut is not None and not fut.cancelled() and fut.exception() is not None:
+            self._set_fatal(fut.exception())
+
+    def _wait_io_idle(self, deadline: float) -> bool:
+        with self._io_cond:
+            while self._io_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._io_cond.wait(left)
+            return True
+
+    # ================================================================ messages to the write thread
+
+    def _post(self, msg: tuple) -> None:
+        """Hand a message to the write thread, or, once it stopped taking messages, settle it here: a
+        submit racing close() must not wait on a thread that is gone."""
+        with self._post_lock:
+            if not self._stopped:
+                self._q.put(msg)
+                return
+        self._settle(msg)
+
+    def _settle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "write":  # never dispatched: no I/O reads these buffers
+            for t in msg[1]:
+                with self._lock:
+                    if self._inflight.get(t.ikey) is t:
+                        del self._inflight[t.ikey]
+                    waiters = list(t.waiters)
+                if t.buf is not None:
+                    if t.src is not None:
+                        self._staging.release_tail(t.buf)
+                    else:
+                        self._staging.release(t.pool.extent, t.buf)
+                    t.buf = None
+                for op, i in waiters:
+                    self._finish(op, i, AckKind.DURABLE, False)
+        elif kind in ("delete", "clear", "stop"):
+            msg[1].set()
+        # "io_done", "committed", "drop": bookkeeping of a write thread that is gone; nothing waits
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                msg = self._q.get_nowait()
+            except queue.Empty:
+                return
+            self._settle(msg)
+
+    def _fail_inflight(self) -> None:
+        """Fail every page waiting on the write thread (it stopped or was given up on). Their staging
+        buffers are not reused: an I/O thread may still be writing from them."""
+        with self._lock:
+            stuck = list(self._inflight.values())
+            self._inflight.clear()
+        for t in stuck:
+            for op, i in t.waiters:
+                self._finish(op, i, op.final_kind, False)
+
+    def _fail_live_ops(self) -> None:
+        """close(): every operation still pending fails now. Reads are quiesced (a copy into the
+        caller's memory under way finishes first: bounded, no disk involved); a zero-copy write's
+        own caller waits for its I/O, as write_pages without a timeout promises."""
+        with self._lock:
+            ops = list(self._live_ops)
+        for op in ops:
+            if op.final_kind == AckKind.READ:
+                op.cancel_and_quiesce()
+            else:
+                op.cancel()
+            for i, r in enumerate(op.results):
+                if r is None:
+                    self._finish(op, i, op.final_kind, False)
 
     def _set_fatal(self, err: BaseException) -> None:
         logger.error("L3 store invariant broken: %r", err, exc_info=err)
@@ -607,23 +815,25 @@ class L3Store:
             WriteThread(self).run()
         except BaseException as err:
             self._set_fatal(err)
-            # Unblock everyone waiting on this thread: their pages fail, the next call raises.
-            with self._lock:
-                stuck = list(self._inflight.values())
-                self._inflight.clear()
-            for t in stuck:
-                for op, i in t.waiters:
-                    self._finish(op, i, op.final_kind, False)
-            while True:
-                try:
-                    msg = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                if msg[0] in ("delete", "clear", "stop"):
-                    msg[1].set()
+        finally:
+            # Unblock everyone waiting on this thread: their pages fail (after a crash the next call
+            # raises); whatever is posted from now on is settled by the poster.
+            with self._post_lock:
+                self._stopped = True
+            self._fail_inflight()
+            self._drain_queue()
 
 
 cold_start_fn = cold_start
+
+
+def _landing_bytes(pool: PayloadPool) -> int:
+    """One read I/O thread's landing area for a payload: the longest coalesced read (_read_runs)."""
+    return max(1, _READ_IO_BYTES // pool.extent) * (-(-pool.page_bytes // ALIGN) * ALIGN)
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _check_args(config, rank, ranks_per_node, payloads, cold_start_mode) -> None:

@@ -78,11 +78,15 @@ class WriteThread:
         s = self.s
         while True:
             # Everything doable without a new message was done last iteration, so block; the timeout
-            # only serves idle persistence of touches.
+            # only serves idle persistence of touches (and noticing that close() gave up on us).
             try:
                 msg = s._q.get(timeout=1.0)
             except queue.Empty:
                 msg = None
+            if s._abandoned:  # close() timed out waiting for the device and failed everything
+                if msg is not None:
+                    s._settle(msg)
+                return
             msgs = [msg] if msg is not None else []
             while len(msgs) < 4096:
                 try:
@@ -212,7 +216,7 @@ class WriteThread:
         finally:
             for t in reading:
                 t.guard.end_io()
-        s._q.put(("io_done", run))
+        s._post(("io_done", run))
 
     def _release_buffers(self, run: list[WriteTask]) -> None:
         """Once its pwrite returned, a page's staging image is not needed any more: fdatasync and the
@@ -272,7 +276,7 @@ class WriteThread:
                 for t in group:
                     t.error = t.error or repr(err)
                 s._set_fatal(err)
-            s._q.put(("committed", group))
+            s._post(("committed", group))
 
     def _commit_group(self, group: list[WriteTask], touches: list) -> None:
         s = self.s

@@ -304,7 +304,7 @@ def test_read_timeout_never_writes_into_outs_afterwards(make_store):
     timer = threading.Timer(0.3, gate.set)
     timer.start()
     res = s.read_pages("kv", keys(3), o, timeout=0.05)
-    # Pages that were mid-read completed before read_pages returned; the rest never started.
+    # Reads land in store memory; only pages verified and copied before the return reach `o`.
     snapshot = [bytes(x) for x in o]
     timer.join()
     gate.set()

@@ -1,0 +1,271 @@
+"""A device that never answers must not wedge a caller: read_pages / write_pages with a timeout and
+close() return within their bound, a late completion never touches the caller's memory, and a submit
+racing close() gets its acks.
+
+The stall is the store's own fault seam (DiskSlab.fault_injector, called before every preadv / pwritev
+/ fdatasync) waiting on an Event that nothing sets during the call; the fixture releases it at
+teardown. Each call runs on a helper thread joined with BOUND x SLACK: a call that waits for the
+device blocks there and fails the test instead of hanging it. SLACK is a correctness margin, not a
+performance threshold.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from l3_helpers import aligned_pages, page
+from sglang_cp.l3 import AckKind
+
+P = 16384
+BOUND = 1.0
+SLACK = 5.0
+
+
+def keys(n, prefix=b"b"):
+    return [prefix + b"%d" % i for i in range(n)]
+
+
+class Stall:
+    """Fault seam: ops in `ops` block on `gate` once armed (a hung device)."""
+
+    def __init__(self, *ops):
+        self.ops = set(ops)
+        self.armed = False
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, op, slab, slot):
+        if self.armed and op in self.ops:
+            self.entered.set()
+            self.gate.wait()
+
+
+@pytest.fixture(autouse=True)
+def close_bound(monkeypatch):
+    """close() waits CLOSE_TIMEOUT_S for the device; shorten it to BOUND for these tests."""
+    import sglang_cp.l3.store as store_mod
+    monkeypatch.setattr(store_mod, "CLOSE_TIMEOUT_S", BOUND, raising=False)
+
+
+@pytest.fixture
+def stalls():
+    made = []
+
+    def make(*ops):
+        s = Stall(*ops)
+        made.append(s)
+        return s
+    yield make
+    for s in made:  # teardown: let the stuck I/O threads go
+        s.gate.set()
+
+
+def within(fn, bound):
+    """Run fn on a daemon thread; (returned in time, its result or exception)."""
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["v"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    return not t.is_alive(), box.get("v")
+
+
+def settle(s, what, deadline_s=30.0):
+    """Wait (bounded) until the store has no I/O of `what` in flight after a stall was released."""
+    end = time.monotonic() + deadline_s
+    while s.stats()["inflight"][what] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert s.stats()["inflight"][what] == 0
+
+
+def fill(bufs, value):
+    for b in bufs:
+        b[:] = value
+
+
+def test_read_pages_returns_within_bound_when_reads_never_complete(make_store, stalls):
+    stall = stalls("read")
+    s = make_store(fault_injector=stall)
+    assert all(s.write_pages("kv", keys(8), [page(i) for i in range(8)]))
+    stall.armed = True
+    o = aligned_pages(8, P)  # aligned: the old code read straight into these
+    fill(o, 0xAB)
+    done, res = within(lambda: s.read_pages("kv", keys(8), o, timeout=BOUND), BOUND * SLACK)
+    assert done, f"read_pages(timeout={BOUND}) still waiting for the device after {BOUND * SLACK} s"
+    assert res == [False] * 8
+    assert stall.entered.is_set()
+    assert s.stats()["counters"]["read_timeouts"] == 8
+    # The device answers late: nothing may land in the caller's pages any more.
+    stall.gate.set()
+    settle(s, "reads")
+    assert all((np.asarray(x) == 0xAB).all() for x in o), "a late read completion wrote into the caller's pages"
+    # The store still serves exact bytes afterwards.
+    stall.armed = False
+    assert s.read_pages("kv", keys(8), o, timeout=30) == [True] * 8
+    assert all(bytes(x) == page(i) for i, x in enumerate(o))
+
+
+def test_read_pages_bounded_when_stuck_reads_hold_every_permit(make_store, stalls):
+    stall = stalls("read")
+    s = make_store(fault_injector=stall, io={"threads": 2, "max_inflight_pages": 4})
+    assert all(s.write_pages("kv", keys(12), [page(i) for i in range(12)]))
+    stall.armed = True
+    o = [np.zeros(P, np.uint8) for _ in range(12)]
+    for _ in range(2):  # the second call finds every read permit held by the first call's stuck reads
+        done, res = within(lambda: s.read_pages("kv", keys(12), o, timeout=BOUND), BOUND * SLACK)
+        assert done, "read_pages waited for a read permit held by I/O stuck on the device"
+        assert res == [False] * 12
+    assert all(not x.any() for x in o)
+
+
+def test_write_pages_returns_within_bound_and_never_reads_caller_memory_after(make_store, stalls):
+    stall = stalls("write")
+    s = make_store(fault_injector=stall)
+    stall.armed = True
+    src = aligned_pages(8, P)  # aligned: the old code wrote straight from these (zero-copy)
+    for i, a in enumerate(src):
+        a[:] = np.frombuffer(page(i), np.uint8)
+    done, res = within(lambda: s.write_pages("kv", keys(8), src, timeout=BOUND), BOUND * SLACK)
+    assert done, f"write_pages(timeout={BOUND}) still waiting for the device after {BOUND * SLACK} s"
+    assert res == [False] * 8, "a page not durable in time must be reported not written"
+    assert s.stats()["counters"]["write_timeouts"] == 8
+    fill(src, 0xEE)  # the caller owns its memory again the moment write_pages returned
+    stall.armed = False
+    stall.gate.set()
+    settle(s, "writes")
+    o = [np.zeros(P, np.uint8) for _ in range(8)]
+    got = s.read_pages("kv", keys(8), o, timeout=30)
+    for i, ok in enumerate(got):
+        assert not ok or bytes(o[i]) == page(i), f"page {i} picked up bytes the caller wrote after the return"
+
+
+def test_write_pages_bounded_when_stuck_writes_hold_all_staging(make_store, stalls):
+    stall = stalls("write")
+    s = make_store(fault_injector=stall, io={"threads": 2, "max_inflight_pages": 4})
+    stall.armed = True
+    done, res = within(lambda: s.write_pages("kv", keys(16), [page(i) for i in range(16)], timeout=BOUND),
+                       BOUND * SLACK)
+    assert done, "write_pages blocked on staging tokens held by writes stuck on the device"
+    assert res == [False] * 16
+
+
+def test_write_pages_bounded_when_fdatasync_never_returns(make_store, stalls):
+    stall = stalls("sync")
+    s = make_store(fault_injector=stall)
+    stall.armed = True
+    done, res = within(lambda: s.write_pages("kv", keys(4), [page(i) for i in range(4)], timeout=BOUND),
+                       BOUND * SLACK)
+    assert done and res == [False] * 4
+    assert s.exists_prefix("kv", keys(4)) == 0  # not indexed: nothing was durable
+
+
+def test_close_is_bounded_and_fails_pending_writes(make_store, stalls):
+    stall = stalls("write")
+    s = make_store(fault_injector=stall)
+    stall.armed = True
+    op = s.submit_write("kv", keys(6), [page(i) for i in range(6)])
+    sync = {}
+    waiter = threading.Thread(target=lambda: sync.setdefault(
+        "r", s.write_pages("kv", keys(3, b"w"), [page(i) for i in range(3)], timeout=600)), daemon=True)
+    waiter.start()
+    assert stall.entered.wait(10)
+    done, err = within(lambda: s.close(), BOUND * SLACK)
+    assert done, f"close() (bound {BOUND} s) still joining a writer stuck on the device after {BOUND * SLACK} s"
+    assert err is None
+    waiter.join(BOUND * SLACK)
+    assert not waiter.is_alive(), "a write_pages caller was left waiting on a closed store"
+    assert sync["r"] == [False] * 3
+    durable = [a for a in s.drain_acks() if a.op == op and a.kind == AckKind.DURABLE]
+    assert sorted(a.index_in_op for a in durable) == list(range(6)) and not any(a.ok for a in durable)
+
+
+def test_close_is_bounded_with_reads_stuck(make_store, stalls):
+    stall = stalls("read")
+    s = make_store(fault_injector=stall)
+    assert all(s.write_pages("kv", keys(4), [page(i) for i in range(4)]))
+    stall.armed = True
+    o = aligned_pages(4, P)
+    fill(o, 0xAB)
+    op = s.submit_read("kv", keys(4), o)
+    assert stall.entered.wait(10)
+    done, _ = within(lambda: s.close(), BOUND * SLACK)
+    assert done, "close() waited for reads stuck on the device"
+    reads = [a for a in s.drain_acks() if a.op == op and a.kind == AckKind.READ]
+    assert len(reads) == 4 and not any(a.ok for a in reads)
+    stall.gate.set()
+    time.sleep(0.2)  # give the released I/O a chance to (wrongly) land
+    assert all((np.asarray(x) == 0xAB).all() for x in o), "a read completed after close() touched the caller's pages"
+
+
+def test_submit_blocked_on_backpressure_fails_at_close(make_store, stalls):
+    stall = stalls("write")
+    s = make_store(fault_injector=stall, io={"threads": 2, "max_inflight_pages": 4})
+    stall.armed = True
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault(
+        "op", s.submit_write("kv", keys(16), [page(i) for i in range(16)])), daemon=True)
+    t.start()
+    assert stall.entered.wait(10)
+    time.sleep(0.2)  # let the submitter reach the wait for a staging slot
+    done, _ = within(lambda: s.close(), BOUND * SLACK)
+    assert done, "close() hung"
+    t.join(BOUND * SLACK)
+    assert not t.is_alive(), "submit_write stayed blocked on backpressure after close()"
+    durable = [a for a in s.drain_acks() if a.op == box["op"] and a.kind == AckKind.DURABLE]
+    assert len(durable) == 16 and not any(a.ok for a in durable)
+
+
+@pytest.mark.parametrize("call,where", [("submit_write", "lookup"), ("submit_write", "staged"),
+                                        ("write_pages", "lookup")])
+def test_submit_racing_close_is_settled(make_store, call, where):
+    """The race: a submitter passes the closed check, close() stops the write thread, then the
+    submitter stages / hands over its pages. Forced deterministically: close() runs inside the
+    submitter's index lookup (before staging) or inside its first GATHERED ack (pages staged, not yet
+    handed over)."""
+    s = make_store()
+    raced = []
+    if where == "lookup":
+        real = s._index.get_many
+
+        def get_many_then_close(ikeys):
+            out = real(ikeys)
+            if not raced:
+                raced.append(1)
+                s.close()
+            return out
+        s._index.get_many = get_many_then_close
+    else:
+        real_emit = s._emit
+
+        def emit_then_close(op, i, kind, ok):
+            real_emit(op, i, kind, ok)
+            if kind == AckKind.GATHERED and not raced:
+                raced.append(1)
+                s.close()
+        s._emit = emit_then_close
+    if call == "submit_write":
+        def run():
+            op = s.submit_write("kv", keys(3), [page(i) for i in range(3)])
+            while True:  # the caller's ack loop; it ends only if the DURABLE acks arrive
+                acks = [a for a in s.drain_acks() if a.op == op and a.kind == AckKind.DURABLE]
+                if len(acks) == 3:
+                    return [a.ok for a in sorted(acks, key=lambda a: a.index_in_op)]
+                time.sleep(0.01)
+    else:
+        src = aligned_pages(3, P)  # zero-copy: no staging slot to wait for, straight to the hand-over
+        for i, a in enumerate(src):
+            a[:] = np.frombuffer(page(i), np.uint8)
+
+        def run():
+            return s.write_pages("kv", keys(3), src)  # no timeout: waits for its pages to settle
+    done, res = within(run, 30 * SLACK / 5)
+    assert raced
+    assert done, f"{call} racing close() waits forever for a write thread that is gone"
+    assert res == [False] * 3
