@@ -161,7 +161,7 @@ def scenario_mla_page_buffer_meta_rejects_misaligned_group():
 DSA_PS = 64  # DSA requires 64-token physical pages
 
 
-def _dsa_stack(layout="layer_first", shard_size=1, shard_rank=0):
+def _dsa_stack(layout="layer_first", shard_size=1, shard_rank=0, device="cpu"):
     import torch
 
     from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -172,15 +172,16 @@ def _dsa_stack(layout="layer_first", shard_size=1, shard_rank=0):
 
     target = DSATokenToKVPool(
         size=DSA_PS * 16, page_size=DSA_PS, kv_lora_rank=512, dtype=torch.bfloat16,
-        qk_rope_head_dim=64, layer_num=2, device="cpu", index_head_dim=128,
+        qk_rope_head_dim=64, layer_num=2, device=device, index_head_dim=128,
         enable_memory_saver=False, kv_cache_dim=576,
     )
+    pin = device != "cpu"  # a CUDA device pool copies from pinned host buffers
     kv = MLATokenToKVPoolHost(
-        target._mla_buffer_info(), 2.0, 0, DSA_PS, layout, pin_memory=False, device="cpu",
+        target._mla_buffer_info(), 2.0, 0, DSA_PS, layout, pin_memory=pin, device="cpu",
         device_capacity_tokens=target.size, start_layer=0, end_layer=1, target_layer_num=2,
         host_token_capacity=DSA_PS * 32,
     )
-    indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(target), kv, pin_memory=False, device="cpu")
+    indexer = DSAIndexerPoolHost(make_dsa_indexer_pool_decl(target), kv, pin_memory=pin, device="cpu")
     anchor = kv
     if shard_size > 1:
         from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
@@ -196,7 +197,7 @@ def _dsa_stack(layout="layer_first", shard_size=1, shard_rank=0):
     return target, kv, indexer, group
 
 
-def _kernel_io_controller(group, sharded):
+def _kernel_io_controller(group, sharded, device="meta"):
     import torch
 
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
@@ -204,7 +205,7 @@ def _kernel_io_controller(group, sharded):
     ctrl = object.__new__(HybridCacheController)  # move_hybrid_indices reads only these
     ctrl.mem_pool_host = group
     ctrl.io_backend = "kernel"
-    ctrl.device = torch.device("meta")  # stands in for CUDA
+    ctrl.device = torch.device(device)  # "meta" stands in for CUDA on a CPU machine
     ctrl.is_kv_sharded = sharded
     return ctrl
 
