@@ -467,6 +467,76 @@ def scenario_cuda_graph_log_gate_off_is_silent():
     assert "[cg-buffers]" not in logs.text, logs.text
 
 
+def _profile_dump_two_families(workdir):
+    """Run upstream's real _post_process_after_profile for the decode family and
+    then the EAGLE draft family, as --enable-profile-cuda-graph does at startup.
+    Only torch's CUDA memory-snapshot writer is replaced (it needs a CUDA
+    allocator): it writes a pickle naming the family that dumped it."""
+    import pickle
+    import types
+
+    import torch
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import (
+        DecodeCudaGraphRunner,
+    )
+    from sglang.srt.speculative.eagle_draft_cuda_graph_runner import (
+        EAGLEDraftCudaGraphRunner,
+    )
+
+    current = {}
+    saved = (torch.cuda.memory._dump_snapshot, torch.cuda.memory._record_memory_history)
+
+    def dump(path):
+        with open(path, "wb") as f:
+            pickle.dump({"family": current["family"]}, f)
+
+    torch.cuda.memory._dump_snapshot = dump
+    torch.cuda.memory._record_memory_history = lambda *a, **k: None
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        for cls in (DecodeCudaGraphRunner, EAGLEDraftCudaGraphRunner):
+            runner = _runner(cls)
+            runner.model_runner = types.SimpleNamespace(is_draft_worker=False)  # read for the trace name
+            current["family"] = cls.__name__
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                torch.ones(4).sum()
+            cls._post_process_after_profile(runner, prof)
+        found = {}
+        for name in sorted(os.listdir(workdir)):
+            with open(os.path.join(workdir, name), "rb") as f:
+                found[name] = pickle.load(f)["family"]
+        return found
+    finally:
+        os.chdir(cwd)
+        torch.cuda.memory._dump_snapshot, torch.cuda.memory._record_memory_history = saved
+
+
+def scenario_cuda_graph_profile_pickle_per_family():
+    import tempfile
+
+    os.environ["SGLANG_CP_LOG_CG_BUFFERS"] = "1"
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            found = _profile_dump_two_families(d)
+    finally:
+        del os.environ["SGLANG_CP_LOG_CG_BUFFERS"]
+    assert found == {
+        "cuda_graph_mem_DecodeCudaGraphRunner.pickle": "DecodeCudaGraphRunner",
+        "cuda_graph_mem_EAGLEDraftCudaGraphRunner.pickle": "EAGLEDraftCudaGraphRunner",
+    }, f"memory snapshots on disk after two families: {found}"
+
+
+def scenario_cuda_graph_profile_pickle_gate_off_is_upstream():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        found = _profile_dump_two_families(d)
+    # Upstream's file name, last family wins (the behaviour a user of the plain flag sees).
+    assert found == {"cuda_graph_runner_memory_usage.pickle": "EAGLEDraftCudaGraphRunner"}, found
+
+
 SCENARIOS = {
     name[len("scenario_"):]: fn
     for name, fn in sorted(globals().items())
