@@ -62,7 +62,10 @@ def validate_before_move(self, operation, *args, **kwargs):
     if mode == "0":
         return None
     group = self.mem_pool_host
-    anchor = group.anchor_entry.host_pool
+    anchor_entry = getattr(group, "anchor_entry", None)
+    if anchor_entry is None:  # not a HostPoolGroup: nothing this hook knows how to read
+        return None
+    anchor = anchor_entry.host_pool
     if page_grouped(anchor):
         ps = logical_page_size(anchor)
         page_groups.check(operation.host_indices, ps, name="host_indices", mode=mode)
