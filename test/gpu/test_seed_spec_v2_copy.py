@@ -73,3 +73,27 @@ def test_draft_extend_inputs_kernel_on_cuda(dtype):
     correct, select, ids = prepare_draft_extend_inputs(accept, predict, 4)
     assert select.tolist() == [0, 6, 9, 15] and correct.tolist() == [0, 2, 1, 3]
     assert ids.dtype == torch.int64 and ids.tolist() == predict.tolist()
+
+
+def test_async_d2h_records_the_source_on_the_issuing_stream(monkeypatch):
+    """002#14 ownership: upstream's async_d2h marks the device source as used by the
+    stream that issued the copy (record_stream), so the caching allocator cannot hand
+    the block to the next forward while the copy on copy_stream is still reading it."""
+    from sglang.srt.utils.common import async_d2h
+
+    seen = []
+    original = torch.Tensor.record_stream
+
+    def record(self, stream):
+        seen.append((self.data_ptr(), stream))
+        return original(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record)
+    src = torch.arange(1 << 16, device="cuda", dtype=torch.int32)
+    copy_stream = torch.cuda.Stream()
+    copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):
+        host = async_d2h(src)
+    copy_stream.synchronize()
+    assert seen == [(src.data_ptr(), copy_stream)]
+    assert host.is_pinned() and torch.equal(host, src.cpu())

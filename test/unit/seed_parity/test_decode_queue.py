@@ -127,3 +127,106 @@ def test_idle_check_counts_decode_retracted_and_deferred_state(retracted, deferr
         if retracted:
             # the health check must not treat a retracted decode as idle either
             assert s.is_fully_idle(for_health_check=True) is False
+
+
+# ---- failure path of pop_transferred, executed ------------------------------------------
+
+
+class _FailingReceiver(_ClearTracking):
+    """Upstream's FakeKVReceiver whose transfer failed (the peer died)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drained = False
+        self.aborted = 0
+
+    def poll(self):
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        return KVPoll.Failed
+
+    def failure_exception(self):
+        raise RuntimeError("prefill peer died")
+
+    def abort(self):
+        self.aborted += 1
+
+    def is_abort_release_safe(self):
+        return self.drained
+
+
+class _RecordingTree:
+    """The tree cache the release path talks to (records calls; a host-staged
+    destination holds no device KV row, so nothing is freed there)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append(name)
+
+
+class _Streamer:
+    def __init__(self):
+        self.sent = []
+
+    def stream_output(self, reqs, return_logprob):
+        self.sent += [r.rid for r in reqs]
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    """pop_transferred agrees on holds with an all-reduce over its gloo group."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_failed_transfer_aborts_streams_and_releases_the_receiver_once_drained(gloo_world_of_one):
+    """002#08 failure path: the real DecodeTransferQueue.pop_transferred on a failed
+    transfer aborts the request, streams the abort, removes it from the queue and
+    holds it (the remote write may still land in the host-staged slot); the real
+    resolve_deferred_releases then clears the receiver and frees the metadata slot
+    once the receiver reports the abort drained -- not before."""
+    from conftest import topology
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    q = _transfer_queue()
+    q.tp_rank = 0
+    q.gloo_group = gloo_world_of_one
+    q.tree_cache = _RecordingTree()
+    q.enable_deferred_kv_release = False
+    q.deferred_kv_release_timeout = 30.0
+    q.scheduler.enable_decode_hicache = False
+    q.scheduler.output_streamer = _Streamer()
+    q.scheduler.metrics_reporter = type("M", (), {"enable_metrics": False})()
+    alloc = q.req_to_metadata_buffer_idx_allocator
+    idx = alloc.alloc()
+    decode_req, _ = _decode_req(host_staged=True)
+    receiver = _FailingReceiver()
+    decode_req.kv_receiver, decode_req.metadata_buffer_index = receiver, idx
+    q.queue = [decode_req]
+    free_before = alloc.available_size()
+    with topology(tp_size=1, attn_tp_size=1, attn_cp_size=1):
+        assert q.pop_transferred() == []
+        assert q.queue == [] and q.scheduler.output_streamer.sent == ["r0"]
+        assert isinstance(decode_req.req.finished_reason, FINISH_ABORT)
+        assert receiver.aborted == 1  # host destination: the receiver is told to stop
+        # Held, not released: the slot may still be written by the dying transfer.
+        assert [d for d, *_ in q._deferred_releases] == [decode_req]
+        assert decode_req.kv_receiver is receiver and alloc.available_size() == free_before
+        q.resolve_deferred_releases()  # not drained yet: still held
+        assert decode_req.kv_receiver is receiver and q._deferred_releases
+        receiver.drained = True
+        q.resolve_deferred_releases()
+    assert decode_req.kv_receiver is None and receiver.cleared == 1
+    assert q._deferred_releases == [] and alloc.available_size() == free_before + 1

@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 
 import _ported  # noqa: E402
 
-INVARIANT_MARKERS = ("unchanged", "gate_off", "silent")
+INVARIANT_MARKERS = ("unchanged", "gate_off", "silent", "is_upstream")
 
 
 def _run(mode: str) -> dict:
