@@ -27,6 +27,7 @@ from .blob import BlobError, key_digest, write_extent
 from .config import L3Config
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
+from .files import private_dir
 from .gc import WatermarkPolicy
 from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .payload_pool import PayloadPool
@@ -89,11 +90,7 @@ class L3Store:
                 f"no room for one page of every payload ({sum(slot_bytes.values())} B per rank); "
                 f"raise it to at least {need:.6f}")
         slab_dir = os.path.join(disk.path, SLAB_SUBDIR)
-        try:
-            os.makedirs(slab_dir, exist_ok=True)
-        except OSError as e:
-            raise L3StartupError(f"disks[{disk_i}].path: cannot create '{slab_dir}' ({e.strerror}); "
-                                 "the directory must be writable") from None
+        private_dir(slab_dir, f"disks[{disk_i}].path")  # 0700, ours, not a link
 
         self._index = SharedIndex(config.index.dir, config.index.map_size_bytes, config.index.max_map_size_bytes)
         self._pools: dict[str, PayloadPool] = {}
