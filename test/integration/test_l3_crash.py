@@ -173,9 +173,9 @@ def _acked_bytes(root):
         return 0
 
 
-def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None):
-    """powerloss: None (SIGKILL only), "random" or "revert" (l3_powerloss.power_loss after each kill);
-    red: remove one flush in the children (see CHILD)."""
+def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None, pl_stats=None):
+    """powerloss: None (SIGKILL only), "random" or "revert" (l3_powerloss.power_loss after each kill,
+    its counts summed into pl_stats); red: remove one flush in the children (see CHILD)."""
     for sub in ("idx", "d0"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -211,7 +211,10 @@ def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None):
         p.send_signal(signal.SIGKILL)
         p.wait()
         if powerloss:
-            l3_powerloss.power_loss(root, journal, rnd, powerloss)
+            st = l3_powerloss.power_loss(root, journal, rnd, powerloss)
+            for k, v in st.items():
+                if pl_stats is not None:
+                    pl_stats[k] = pl_stats.get(k, 0) + v
         check_store(root, gc, list(range(gen + 1)), full=gen == n_kills - 1, rnd=rnd, cap=cap)
         total_acked = len(read_acked(root))
     assert total_acked > n_kills, "the children should have made progress"
@@ -237,9 +240,10 @@ def test_sigkill_under_load_100(tmp_path):
 
 
 def test_power_loss_ci(tmp_path):
-    acked = run_kills(str(tmp_path / "nogc"), 8, gc=False, seed=4, powerloss="random")
+    st = {}
+    acked = run_kills(str(tmp_path / "nogc"), 8, gc=False, seed=4, powerloss="random", pl_stats=st)
+    print(f"8 power losses, {acked} pages acked DURABLE, all recovered; undone: {st}")
     run_kills(str(tmp_path / "gc"), 3, gc=True, seed=5, powerloss="random")
-    print(f"8 power losses, {acked} pages acked DURABLE, all recovered")
 
 
 @pytest.mark.parametrize("red", ["slab", "index", "dirsync"])
@@ -252,6 +256,8 @@ def test_power_loss_catches_a_missing_flush(tmp_path, red):
 
 @pytest.mark.slow
 def test_power_loss_60(tmp_path):
-    run_kills(str(tmp_path / "rand"), 30, gc=False, seed=7, powerloss="random")
-    run_kills(str(tmp_path / "revert"), 30, gc=False, seed=8, powerloss="revert")
+    for name, mode, seed in (("rand", "random", 7), ("revert", "revert", 8)):
+        st = {}
+        acked = run_kills(str(tmp_path / name), 30, gc=False, seed=seed, powerloss=mode, pl_stats=st)
+        print(f"30 power losses ({mode}), {acked} pages acked DURABLE, all recovered; undone: {st}")
     run_kills(str(tmp_path / "gc"), 15, gc=True, seed=9, powerloss="random")
