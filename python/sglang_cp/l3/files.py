@@ -110,7 +110,7 @@ def private_dir(path: str, field: str) -> None:
     except FileExistsError:
         pass
     except OSError as e:
-        raise _refuse(field, path, f"cannot be created ({e.strerror})", "the directory above must be writable") from None
+        raise L3StartupError(f"{field}: cannot create '{path}' ({e.strerror}); the directory must be writable") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS)
     except OSError as e:
