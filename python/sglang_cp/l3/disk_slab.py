@@ -2,6 +2,8 @@
 
 `fault_injector` is the seam for fault tests: a callable `(op, slab, slot)` invoked before every
 read/write/sync that may raise OSError (EIO, ENOSPC, ENODEV...) exactly as the kernel would.
+The file is opened through `files.open_private`: 0600, no link followed, refused unless it is a regular
+file of ours, all before the first truncate or write.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Callable, Optional
 
 from .blob import ALIGN, write_extent
 from .errors import L3InvariantError, L3StartupError
+from .files import fsync_dir, open_private
 
 FaultInjector = Callable[[str, "DiskSlab", int], None]
 
@@ -31,8 +34,9 @@ class DiskSlab:
         self.disk_index = disk_index
         self.fault_injector = fault_injector
         size = slot_bytes * num_slots
+        existed = os.path.lexists(path)
         try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+            self.fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, field)
         except OSError as e:
             raise L3StartupError(
                 f"{field}: cannot open slab file '{path}' with O_DIRECT ({e.strerror}); the directory must be on "
@@ -41,6 +45,8 @@ class DiskSlab:
             if os.fstat(self.fd).st_size > size:
                 os.ftruncate(self.fd, size)  # slots beyond the new count are dropped by recovery
             os.posix_fallocate(self.fd, 0, size)
+            if not existed:
+                fsync_dir(os.path.dirname(path))  # the new file's directory entry survives a power loss
         except OSError as e:
             os.close(self.fd)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):

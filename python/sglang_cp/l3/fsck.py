@@ -116,7 +116,7 @@ class _Reader:
 
     def fd(self, path: str) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            self._fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
         return self._fds[path]
 
     def read(self, slab: Slab, slot: int, off: int, length: int) -> memoryview:
@@ -287,7 +287,7 @@ def _wipe_headers(slabs: dict, where: list, rep: Report) -> int:
     for path, slot in where:
         s = slabs[path]
         off, length = header_block(s.page_bytes)
-        fd = os.open(s.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        fd = os.open(s.path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             buf = aligned_buffer(length)  # anonymous mmap: zero filled
             if os.pwritev(fd, [buf], slot * s.slot_bytes + off) != length:

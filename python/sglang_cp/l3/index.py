@@ -24,10 +24,12 @@ from typing import Iterable, NamedTuple, Optional
 import lmdb
 
 from .errors import L3StartupError
+from .files import FILE_MODE, check_private_file, fsync_dir, private_dirs
 
 _VAL = struct.Struct("<HHIIQQQ")
 _READER_CHECK_INTERVAL_S = 10.0
 logger = logging.getLogger(__name__)
+_LMDB_FILES = ("data.mdb", "lock.mdb")
 
 
 class IndexEntry(NamedTuple):
@@ -99,13 +101,25 @@ class LmdbIndex:
         self.max_map_size = max_map_size
         self.grows = 0
         self._rw = _RWLock()
+        # LMDB opens its files itself (following links): check ours before and after it does.
+        private_dirs(path, "index.dir")
+        files = [os.path.join(path, name) for name in _LMDB_FILES]
+        fresh = not check_private_file(files[0], "index.dir")
+        check_private_file(files[1], "index.dir")
         try:
-            os.makedirs(path, exist_ok=True)
             self.env = lmdb.open(path, map_size=map_size, subdir=True, lock=True, sync=True, metasync=True,
-                                 max_readers=1024, readahead=False, meminit=False, max_dbs=0)
+                                 max_readers=1024, readahead=False, meminit=False, max_dbs=0, mode=FILE_MODE)
         except lmdb.Error as e:
             raise L3StartupError(f"index.dir: cannot open the LMDB index at '{path}' ({e}); "
                                  "check the directory is writable and on a local filesystem") from None
+        try:
+            for f in files:  # a link swapped in meanwhile: refuse (lstat only, see check_private_file)
+                check_private_file(f, "index.dir", fix_mode=False)
+            if fresh:
+                fsync_dir(path)  # data.mdb's directory entry survives a power loss
+        except BaseException:
+            self.env.close()
+            raise
         self.stale_readers_cleared = 0
         self._reader_check()
         # Another rank may already have grown the map beyond our configured start size.

@@ -43,7 +43,9 @@ def write_record(slab_dir: str, rank: int, result: dict) -> None:
         if name.startswith(stale):
             os.unlink(os.path.join(slab_dir, name))
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
+    # 0600, created here (O_EXCL: never an existing file or a link); rename replaces a link, never follows it.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
         json.dump(rec, f, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
@@ -58,7 +60,8 @@ def write_record(slab_dir: str, rank: int, result: dict) -> None:
 def read_record(slab_dir: str, rank: int) -> dict | None:
     """The recorded last cold start of `rank`, None if there is none; a damaged record says so."""
     try:
-        with open(record_path(slab_dir, rank)) as f:
+        fd = os.open(record_path(slab_dir, rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
             rec = json.load(f)
     except FileNotFoundError:
         return None

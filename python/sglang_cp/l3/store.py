@@ -30,6 +30,7 @@ from .blob import BlobError, key_digest, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
+from .files import private_dir, private_dirs
 from .gc import WatermarkPolicy
 from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .ownership import RankLock
@@ -99,17 +100,11 @@ class L3Store:
                 f"no room for one page of every payload ({sum(slot_bytes.values())} B per rank); "
                 f"raise it to at least {need:.6f}")
         slab_dir = config.slab_dir(disk.path)
-        try:
-            os.makedirs(slab_dir, exist_ok=True)
-        except OSError as e:
-            raise L3StartupError(f"disks[{disk_i}].path: cannot create '{slab_dir}' ({e.strerror}); "
-                                 "the directory must be writable") from None
+        private_dir(os.path.join(disk.path, SLAB_SUBDIR), f"disks[{disk_i}].path")  # 0700, ours, not a link
+        if slab_dir != os.path.join(disk.path, SLAB_SUBDIR):
+            private_dir(slab_dir, f"disks[{disk_i}].path")  # the namespace's own directory
         index_dir = config.index_dir
-        try:
-            os.makedirs(index_dir, exist_ok=True)
-        except OSError as e:
-            raise L3StartupError(f"index.dir: cannot create '{index_dir}' ({e.strerror}); "
-                                 "the directory must be writable") from None
+        private_dirs(index_dir, "index.dir")
         # Exclusive ownership of this rank's slabs and index entries before anything destructive (slab
         # truncation, cold start), held until close(): a second opener fails here (l3/ownership.py).
         owner = owner or f"L3 rank {rank}"
