@@ -157,6 +157,16 @@ def count_collectives(rank, world, port, l3_config, sharded, n_pages):
         return orig(*a, **k)
     dist.all_reduce = counting
     r = Rank(rank, world, port, l3_config, sharded=sharded)
+    # The store's hit queries (exists_*), to check one per query whatever the sharding.
+    store = r.backend.store
+    queries = collections.Counter()
+    for name in ("exists_prefix", "exists_prefix_multi", "exists_each"):
+        def wrap(fn, name=name):
+            def counted(*a, **k):
+                queries[name] += 1
+                return fn(*a, **k)
+            return counted
+        setattr(store, name, wrap(getattr(store, name)))
     try:
         tokens = tokens_for(n_pages, seed=21)
         hi = r.alloc_host(n_pages * PAGE, start_owner=0)
@@ -167,10 +177,11 @@ def count_collectives(rank, world, port, l3_config, sharded, n_pages):
         time.sleep(2.5)  # storage threads are polling their queues: an idle period
         idle = sum(counts.values())
         counts.clear()
+        queries.clear()
         hit, completed, _ = r.prefetch(tokens)
         time.sleep(0.5)
         return {"rank": rank, "idle": idle, "prefetch": sum(counts.values()), "hit": hit,
-                "completed": completed}
+                "completed": completed, "index_queries": sum(queries.values())}
     finally:
         dist.all_reduce = orig
         r.close()

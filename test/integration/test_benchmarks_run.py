@@ -16,11 +16,23 @@ def test_bench_l3_store_smoke(disk_tmp):
         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│") and "65,536" in line]
-    # One table after the page size, one at the end: 4 paths each; every path read back the exact bytes.
-    assert len(rows) == 8, proc.stdout[-3000:]
-    assert {row.split("│")[3].strip() for row in rows} == {"raw", "ours", "ours-sync128", "hicache"}
+    # One table after the page size, one at the end: 5 paths each; every path read back the exact bytes.
+    assert len(rows) == 10, proc.stdout[-3000:]
+    assert {row.split("│")[3].strip() for row in rows} == {"raw", "ours", "ours-sync128", "ours-written128",
+                                                           "hicache"}
     assert all(row.split("│")[13].strip() == "True" for row in rows), proc.stdout[-3000:]
     assert "exists_prefix(2048 keys): median" in proc.stdout
+
+
+def test_bench_l3_index_smoke(disk_tmp):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_index.py"), "--dir", str(disk_tmp),
+         "--sizes", "20000", "--runs", "3", "--io-mib", "128", "--io-reps", "1"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    # The script asserts every hit query answers the full prefix and every reload returns the bytes written.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "16384 keys: exists_each kv+ix, 8 cls" in proc.stdout and "x raw" in proc.stdout, proc.stdout[-3000:]
+    assert not os.listdir(disk_tmp), "the index and slabs must be deleted after the run"
 
 
 def test_bench_cp_l3_smoke(disk_tmp):

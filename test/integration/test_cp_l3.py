@@ -90,6 +90,8 @@ def test_agreement_rides_upstreams_collectives(l3cfg):
         assert a["idle"] == 0 and b["idle"] == 0
         assert a["hit"] == b["hit"] == 5 * PAGE
         assert a["prefetch"] == b["prefetch"] > 0
+        # One store hit query per upstream hit query under sharding too (not one per page).
+        assert a["index_queries"] == b["index_queries"] > 0
 
 
 def test_sidecars_go_with_target_kv(l3cfg):

@@ -251,6 +251,10 @@ class CpL3Storage(HiCacheStorage):
         pool = self._pool_for(payload)
         pages = [_as_bytes_view(pool.get_data_page(row, flat=True)) for _i, row in mine]
         store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
+        # Returns per the L3 config's durability.backup_ack: "durable" (data -> fdatasync -> index
+        # commit, the default) or "written" (in its slot and readable by this process; durable once
+        # its group commit lands). Upstream only needs the page readable by this process; a restart
+        # reads the index alone. docs_internal/l3_write_ack.md.
         ok = self.store.write_pages(payload, store_keys, pages, timeout=WRITE_TIMEOUT_S)
         for (i, _row), good in zip(mine, ok):
             results[i] = bool(good)
@@ -320,8 +324,10 @@ class CpL3Storage(HiCacheStorage):
         # rank reports, for every candidate phase, how long a prefix its own stripe covers;
         # the agreement hook reduces that vector with upstream's MIN and picks the phase.
         my_keys = self.keys.keys(page_hashes, self.shard_rank)
-        durable = [self.store.exists_prefix_multi(payloads, [k]) == 1 for k in my_keys]
         n, N, r = len(page_hashes), self.shard_size, self.shard_rank
+        # One store query for all phases: page i falls in class i % N, and each phase's answer is
+        # one class's prefix (the store stops once every class has missed).
+        durable = self.store.exists_each(payloads, my_keys, classes=N)
         vector = []
         for b in range(N):
             first = (r - b) % N  # first page index this rank owns under phase b

@@ -41,6 +41,9 @@ class OpState:
         self.cancelled = False
         self.running = 0  # pages whose I/O touches caller memory right now
         self.on_done = None
+        # write_pages under durability.backup_ack = "written": a page's result is final once its pwrite
+        # returned (its group commit follows); see docs_internal/l3_write_ack.md.
+        self.ack_at_write = False
         if not keys:
             self.done.set()
 

@@ -62,6 +62,18 @@ def key_digest(payload: str, rank: int, key: bytes) -> bytes:
     return h.digest()
 
 
+def key_digester(payload: str, rank: int):
+    """key -> key_digest(payload, rank, key), with the (payload, rank) prefix hashed once."""
+    seed = hashlib.blake2b(digest_size=16)
+    seed.update(payload.encode() + b"\0%d\0" % rank)
+
+    def digest(key: bytes) -> bytes:
+        h = seed.copy()
+        h.update(key)
+        return h.digest()
+    return digest
+
+
 def write_extent(page_bytes: int) -> int:
     """Bytes actually written per slot: payload + header rounded to the O_DIRECT block."""
     return round_up(page_bytes + HEADER_BYTES)

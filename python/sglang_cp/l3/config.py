@@ -29,6 +29,7 @@ ALIGN = 4096
 SLAB_SUBDIR = "sglang-cp-l3"  # the store's directory under each disk path
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")
+BACKUP_ACKS = ("durable", "written")
 _warned_devices: set[str] = set()
 
 
@@ -66,6 +67,9 @@ class L3Config:
     gc: GcConfig = GcConfig()
     io: IoConfig = IoConfig()
     plp_policy: str = "warn"
+    # When the HiCache backend returns a backup to SGLang: "durable" (data -> fdatasync -> index
+    # commit) or "written" (pwrite done; the commit follows in a group). docs_internal/l3_write_ack.md
+    backup_ack: str = "durable"
     rank_to_disk: dict[int, str] = field(default_factory=dict)
     slot_bytes: dict[str, int] = field(default_factory=dict)
     plp_probes: tuple[PlpProbe, ...] = ()
@@ -93,7 +97,7 @@ _SCHEMA: dict[str, set[str]] = {
     "": {"namespace", "index", "gc", "durability", "io", "disks", "rank_to_disk", "slot_bytes"},
     "index": {"dir", "map_size_gb", "max_map_size_gb"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
-    "durability": {"plp_policy"},
+    "durability": {"plp_policy", "backup_ack"},
     "io": {"threads", "max_inflight_pages"},
     "disks": {"name", "path", "capacity_gb"},
 }
@@ -326,12 +330,16 @@ def parse_l3_config(doc: dict[str, Any], source: Optional[str] = None) -> L3Conf
     policy = _string(dur, "plp_policy", "durability", "warn")
     if policy not in PLP_POLICIES:
         raise L3ConfigError(f"durability.plp_policy: {policy!r} is not one of {', '.join(PLP_POLICIES)}")
+    backup_ack = _string(dur, "backup_ack", "durability", "durable")
+    if backup_ack not in BACKUP_ACKS:
+        raise L3ConfigError(f"durability.backup_ack: {backup_ack!r} is not one of {', '.join(BACKUP_ACKS)}")
     disks = _parse_disks(doc)
     r2d = _parse_rank_to_disk(doc, disks)
     slots = _parse_slot_bytes(doc)
     probes = _apply_plp_policy(policy, disks)
     return L3Config(index=index, disks=disks, gc=gc, io=io, plp_policy=policy, rank_to_disk=r2d,
-                    slot_bytes=slots, plp_probes=probes, source=source, namespace=namespace)
+                    slot_bytes=slots, plp_probes=probes, source=source, namespace=namespace,
+                    backup_ack=backup_ack)
 
 
 def load_l3_config(path: str) -> L3Config:

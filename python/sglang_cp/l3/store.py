@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import re
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ import numpy as np
 
 from .acks import Ack, AckKind, OpState
 from .aligned import ALIGN, BounceBuffers, aligned_buffer
-from .blob import BlobError, key_digest, write_extent
+from .blob import BlobError, key_digest, key_digester, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
@@ -78,6 +79,10 @@ class L3Store:
         self._last_seq = 0
         self._fatal: Optional[BaseException] = None
         self._closed = False
+        # durability.backup_ack = "written": write_pages returns once pages are written, and this
+        # process reads its own written-but-not-yet-committed pages (docs_internal/l3_write_ack.md).
+        self._ack_at_write = config.backup_ack == "written"
+        self._digesters = {p: key_digester(p, rank) for p in payloads}
 
         disk_i = config.disk_index_for_rank(rank)
         disk = config.disks[disk_i]
@@ -158,6 +163,7 @@ class L3Store:
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
         self._inflight: dict[bytes, WriteTask] = {}
+        self._dropping: set[bytes] = set()     # bad pages deleted from the index, LRU release pending
         self._live_ops: set[OpState] = set()
         self._touches: collections.deque = collections.deque()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -179,13 +185,16 @@ class L3Store:
         return self._submit_write(payload, keys, pages, False).op_id
 
     def _submit_write(self, payload: str, keys: list[bytes], pages: list, sync: bool,
-                      zero_copy: bool = False, deadline: Optional[float] = None) -> OpState:
+                      zero_copy: bool = False, deadline: Optional[float] = None,
+                      ack_at_write: bool = False) -> OpState:
         pool = self._pool(payload)
         if len(pages) != len(keys):
             raise ValueError(f"submit_write: {len(keys)} keys but {len(pages)} pages; pass one page per key")
         views = [self._page_view(pool, pg, i, "pages", writable=False) for i, pg in enumerate(pages)]
         op = self._new_op(keys, sync, AckKind.DURABLE)  # after validation: a refused call leaves no op
-        digests = [key_digest(payload, self.rank, k) for k in keys]
+        op.ack_at_write = ack_at_write
+        digest = self._digesters[payload]
+        digests = [digest(k) for k in keys]
         ikeys = [index_key(pool.tag, d) for d in digests]
         try:
             present = self._index.get_many(ikeys)
@@ -198,11 +207,11 @@ class L3Store:
             ikey = ikeys[i]
             with self._lock:
                 task = self._inflight.get(ikey)
-                if task is not None:
-                    task.waiters.append((op, i))
-                    self._counters["write_dedup_pages"] += 1
+                final = task is not None and self._join_locked(task, op, i)
             if task is not None:
                 self._emit(op, i, AckKind.GATHERED, True)
+                if final:
+                    self._finish(op, i, AckKind.DURABLE, True)
                 continue
             if present[i] is not None and present[i].rank == self.rank:
                 with self._lock:
@@ -216,13 +225,13 @@ class L3Store:
                                  src=view, guard=op)
                 with self._lock:
                     other = self._inflight.get(ikey)
-                    if other is not None:
-                        other.waiters.append((op, i))
-                        self._counters["write_dedup_pages"] += 1
-                    else:
+                    final = other is not None and self._join_locked(other, op, i)
+                    if other is None:
                         self._inflight[ikey] = task
                 if other is not None:
                     self._staging.release_tail(task.buf)
+                    if final:
+                        self._finish(op, i, AckKind.DURABLE, True)
                     continue
                 self._count("zero_copy_pages")
                 batch.append(task)
@@ -250,15 +259,15 @@ class L3Store:
                       np.frombuffer(view, dtype=np.uint8))
             task = WriteTask(pool, ikey, digests[i], buf, [(op, i)])
             with self._lock:
-                other = self._inflight.get(ikey)
-                if other is not None:  # raced with another submitter of the same key
-                    other.waiters.append((op, i))
-                    self._counters["write_dedup_pages"] += 1
-                else:
+                other = self._inflight.get(ikey)  # raced with another submitter of the same key?
+                final = other is not None and self._join_locked(other, op, i)
+                if other is None:
                     self._inflight[ikey] = task
             self._emit(op, i, AckKind.GATHERED, True)
             if other is not None:
                 self._staging.release(pool.extent, buf)
+                if final:
+                    self._finish(op, i, AckKind.DURABLE, True)
                 continue
             batch.append(task)
             batch_bytes += pool.page_bytes
@@ -288,9 +297,12 @@ class L3Store:
         pages are copied into staging first (nothing reads `pages` after the return) and a page not
         durable in time is reported False (it may still become durable later: it is then a hit with
         its exact bytes). Without one, aligned pages are written straight from `pages` (no copy) and
-        the call waits as long as the device takes."""
+        the call waits as long as the device takes. Under durability.backup_ack = "written" a page is
+        True once written to its slot (readable by this store at once, durable when its group commit
+        lands; a failed commit makes it a later miss)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        op = self._submit_write(payload, keys, pages, True, zero_copy=timeout is None, deadline=deadline)
+        op = self._submit_write(payload, keys, pages, True, zero_copy=timeout is None, deadline=deadline,
+                                ack_at_write=self._ack_at_write)
         if not op.done.wait(_left(deadline)):
             self._timed_out(op, "write_timeouts")
         op.cancel_and_quiesce()  # zero-copy only: no I/O may read the caller's pages after we return
@@ -310,14 +322,28 @@ class L3Store:
         return op.final()
 
     def exists_prefix(self, payload: str, keys: list[bytes]) -> int:
-        pool = self._pool(payload)
-        rows = [[index_key(pool.tag, key_digest(payload, self.rank, k))] for k in keys]
-        return self._exists(rows)
+        return self._exists([payload], keys, 0)
 
     def exists_prefix_multi(self, payloads: list[str], keys: list[bytes]) -> int:
+        return self._exists(payloads, keys, 0)
+
+    def exists_each(self, payloads: list[str], keys: list[bytes], classes: int = 1) -> list[bool]:
+        """Per key: is it present in every payload? Keys fall in `classes` residue classes (key i in class
+        i % classes) and only each class's prefix is answered: after a class's first miss its keys read
+        False (a CP rank's hit query for every rotation phase at once)."""
+        if not isinstance(classes, int) or classes < 1:
+            raise ValueError(f"classes: must be an int >= 1, got {classes!r}")
+        return self._exists(payloads, keys, classes)
+
+    def _exists_rows(self, payloads: list[str], keys: list[bytes]) -> list:
         pools = [self._pool(p) for p in payloads]
-        rows = [[index_key(pl.tag, key_digest(pl.name, self.rank, k)) for pl in pools] for k in keys]
-        return self._exists(rows)
+        if len(pools) == 1:  # the common case: one key per row, no inner loop
+            tag, digest = struct.pack("<I", pools[0].tag), self._digesters[pools[0].name]
+            return [(tag + digest(k),) for k in keys]
+        # Column by column, then zip: a quarter less CPU than a tuple per key built by a generator.
+        cols = [[tag + digest(k) for k in keys]
+                for tag, digest in ((struct.pack("<I", pl.tag), self._digesters[pl.name]) for pl in pools)]
+        return list(zip(*cols))
 
     def touch(self, payload: str, keys: list[bytes]) -> None:
         pool = self._pool(payload)
@@ -432,6 +458,15 @@ class L3Store:
         self._log.warning(counter, "L3 rank %d: %d page(s) not done within the caller's timeout (the device "
                           "is slow or not answering); reported as failed", self.rank, late)
 
+    def _join_locked(self, task: WriteTask, op: OpState, i: int) -> bool:
+        """Under self._lock: page i of op rides `task` (same key, already in flight). True when the page
+        is final right away (ack_at_write and the task's pwrite already returned)."""
+        self._counters["write_dedup_pages"] += 1
+        if op.ack_at_write and task.written and task.error is None:
+            return True
+        task.waiters.append((op, i))
+        return False
+
     def _pool(self, payload: str) -> PayloadPool:
         pool = self._pools.get(payload)
         if pool is None:
@@ -461,15 +496,21 @@ class L3Store:
             raise ValueError(f"submit_read: {len(keys)} keys but {len(outs)} outs; pass one buffer per key")
         views = [self._page_view(pool, o, i, "outs", writable=True) for i, o in enumerate(outs)]
         op = self._new_op(keys, sync, AckKind.READ)
-        digests = [key_digest(payload, self.rank, k) for k in keys]
+        digest = self._digesters[payload]
+        digests = [digest(k) for k in keys]
         ikeys = [index_key(pool.tag, d) for d in digests]
         with self._lock:
             self._counters["reload_pages"] += len(keys)
+            # Read-your-writes: look at pending pages before the index, so a page that commits in between
+            # is still found (its slot is the same either way).
+            pending = self._written_entries(ikeys) if self._ack_at_write and self._inflight else None
         try:
             entries = self._index.get_many(ikeys)
         except IndexUnavailable as e:
             self._fault("index_errors", "index", "L3 index read failed (%s); reads are misses", e)
             entries = [None] * len(keys)
+        if pending:
+            entries = [e if e is not None else pending.get(i) for i, e in enumerate(entries)]
         todo = []
         for i, e in enumerate(entries):
             if e is None or not pool.entry_fits(e):
@@ -540,6 +581,15 @@ class L3Store:
         finally:
             op.end_io()
         return oks
+
+    def _written_entries(self, ikeys: list[bytes]) -> dict:
+        """Under self._lock: {i: entry} for keys written to a slot whose index commit is pending."""
+        out = {}
+        for i, k in enumerate(ikeys):
+            t = self._inflight.get(k)
+            if t is not None and t.written and t.error is None:
+                out[i] = t.entry(self.rank)
+        return out
 
     def _read_runs(self, pool: PayloadPool, todo: list[tuple[int, int]]) -> list:
         """Group pages of consecutive slots into coalesced reads (<= _READ_IO_BYTES, and at least
@@ -636,6 +686,8 @@ class L3Store:
     def _drop_entry(self, pool: PayloadPool, ikey: bytes, e: IndexEntry) -> None:
         """Delete the exact bad entry from the index now (so the miss is final when acked), then let the
         write thread free the slot: index delete before slot free."""
+        with self._lock:
+            self._dropping.add(ikey)  # the hit query stops offering it now; the write thread clears it
         try:
             deleted = any(self._index.commit(deletes=[(ikey, e)]))
         except (IndexFull, IndexUnavailable) as err:
@@ -643,13 +695,62 @@ class L3Store:
             deleted = None
         self._post(("drop", pool, ikey, e, deleted))
 
-    def _exists(self, rows: list[list[bytes]]) -> int:
+    def _written_pending(self):
+        """Under backup_ack = "written": ikey -> True for pages written to their slot whose index commit
+        is still pending (read-your-writes); None otherwise."""
+        if not self._ack_at_write:
+            return None
+        inflight = self._inflight
+
+        def written(ikey: bytes) -> bool:
+            t = inflight.get(ikey)  # a dict lookup is atomic; the task's flags only ever go one way
+            return t is not None and t.written and t.error is None
+        return written
+
+    def _exists(self, payloads: list[str], keys: list[bytes], classes: int):
+        """Hit query without LMDB: a page is durable on this rank iff it is in its pool's LRU. The write
+        thread adds it there after its index commit and removes it after its index delete, and only this
+        process writes this rank's entries (cold start seeds the LRU from the index), so the LRU is this
+        rank's view of the index; a membership test of the write thread's dict is atomic under the GIL.
+        In the windows around a commit or delete the answer errs towards a miss, or towards a hit that
+        read_pages (which asks the index) turns into a miss: never wrong bytes. classes=0: the prefix
+        length; else exists_each's flags. Digests are computed only up to the answer's end."""
         self._raise_fatal()
-        try:
-            return self._index.exists_prefix(rows)
-        except IndexUnavailable as e:
-            self._fault("index_errors", "index", "L3 exists_prefix failed (%s); reporting 0", e)
-            return 0
+        cols = [(struct.pack("<I", pl.tag), self._digesters[pl.name], pl.lru)
+                for pl in [self._pool(p) for p in payloads]]
+        pending = self._written_pending()
+        dropping = self._dropping or None
+
+        def present(k: bytes) -> bool:
+            for tag, digest, lru in cols:
+                ikey = tag + digest(k)
+                if ikey not in lru and (pending is None or not pending(ikey)):
+                    return False
+                if dropping is not None and ikey in dropping:
+                    return False
+            return True
+        if not classes:
+            n = 0
+            for k in keys:
+                if not present(k):
+                    break
+                n += 1
+            return n
+        out = [False] * len(keys)
+        missed = [False] * classes
+        left = classes
+        for i, k in enumerate(keys):
+            c = i % classes
+            if missed[c]:
+                continue
+            if present(k):
+                out[i] = True
+            else:
+                missed[c] = True
+                left -= 1
+                if not left:
+                    break
+        return out
 
     def _touch(self, pool: PayloadPool, ikey: bytes, now: int) -> None:
         if len(self._touches) >= 65536:  # advisory: drop rather than grow without bound

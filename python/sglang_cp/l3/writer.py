@@ -46,6 +46,7 @@ class WriteTask:
     slot: int = -1
     seq: int = 0
     error: Optional[str] = None
+    written: bool = False                        # its pwrite returned ok; the group commit is pending
 
     def entry(self, rank: int) -> IndexEntry:
         p = self.pool
@@ -100,6 +101,7 @@ class WriteThread:
                 elif kind == "io_done":
                     self.io_pending -= len(m[1])
                     self._release_buffers(m[1])
+                    self._ack_written(m[1])
                     self.completed.extend(m[1])
                     self.completed_bytes += sum(t.pool.page_bytes for t in m[1])
                 elif kind == "committed":
@@ -231,6 +233,20 @@ class WriteThread:
             else:
                 st.release(t.pool.extent, t.buf)
             t.buf = None
+
+    def _ack_written(self, run: list[WriteTask]) -> None:
+        """Mark pages whose pwrite returned ok as written (the store reads them from their slot from now
+        on) and finish the pages of write_pages calls that return at that point (backup_ack = "written").
+        Their DURABLE completion after the group commit is then a no-op for those ops."""
+        s = self.s
+        early = []
+        with s._lock:
+            for t in run:
+                if t.error is None:
+                    t.written = True
+                    early += [(op, i) for op, i in t.waiters if op.ack_at_write]
+        for op, i in early:
+            s._finish(op, i, AckKind.DURABLE, True)
 
     def _write_failed(self, pool: PayloadPool, run: list[WriteTask], err: OSError) -> None:
         if not run:
@@ -384,6 +400,14 @@ class WriteThread:
 
     def _drop(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, deleted: Optional[bool]) -> None:
         """A reader found a bad page and (normally) already deleted its exact index entry."""
+        s = self.s
+        try:
+            self._drop_page(pool, ikey, e, deleted)
+        finally:
+            with s._lock:
+                s._dropping.discard(ikey)
+
+    def _drop_page(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, deleted: Optional[bool]) -> None:
         s = self.s
         cur = pool.lru.get(ikey)
         ours = cur is not None and (cur.slot, cur.seq) == (e.slot, e.seq)

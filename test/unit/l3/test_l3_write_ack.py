@@ -1,0 +1,141 @@
+"""durability.backup_ack: when write_pages returns, and read-your-writes for pages whose commit is pending.
+
+Real O_DIRECT slabs and a real LMDB index; the group commit is held (or failed) at its fdatasync through
+the slab's fault-injection seam.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from l3_helpers import config_doc, page
+from sglang_cp.l3 import L3ConfigError, parse_l3_config
+from sglang_cp.l3.blob import key_digest, key_digester
+
+P = 16384
+
+
+def keys(n, prefix=b"k"):
+    return [prefix + b"%d" % i for i in range(n)]
+
+
+def held_sync():
+    """A fault injector that parks every fdatasync until `gate` is set; `syncs` counts arrivals."""
+    gate, syncs = threading.Event(), []
+
+    def injector(op, slab, slot):
+        if op == "sync":
+            syncs.append(slot)
+            assert gate.wait(30), "test gate never opened"
+    return injector, gate, syncs
+
+
+def write_in_thread(s, ks, pages):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("ok", s.write_pages("kv", ks, pages)), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_written_ack_returns_before_the_commit_and_reads_its_own_writes(make_store):
+    inj, gate, syncs = held_sync()
+    s = make_store(durability={"backup_ack": "written"}, fault_injector=inj)
+    ks = keys(12)
+    t, box = write_in_thread(s, ks, [page(i) for i in range(12)])
+    t.join(20)
+    # The commit is parked at fdatasync, yet the caller has its answer ...
+    assert box.get("ok") == [True] * 12, "write_pages did not return while the group commit was pending"
+    assert syncs, "no group commit started"
+    # ... the index does not have the pages yet (durability is still the commit's) ...
+    assert s._index.exists_prefix(s._exists_rows(["kv"], ks)) == 0
+    # ... and this process sees and reads them (read-your-writes).
+    assert s.exists_prefix("kv", ks) == 12
+    assert s.exists_each(["kv"], ks) == [True] * 12
+    o = [np.zeros(P, np.uint8) for _ in ks]
+    assert s.read_pages("kv", ks, o) == [True] * 12
+    assert all(bytes(o[i]) == page(i) for i in range(12))
+    # Rewriting a key whose first write is pending is answered at once (dedup on a written task).
+    assert s.write_pages("kv", ks[:3], [page(i) for i in range(3)]) == [True] * 3
+    gate.set()
+    for _ in range(2000):
+        if s.stats()["occupancy"]["kv"]["durable"] == 12:
+            break
+        threading.Event().wait(0.005)
+    assert s.stats()["occupancy"]["kv"]["durable"] == 12
+    assert s._index.count() == 12
+
+
+def test_durable_ack_default_waits_for_the_commit(make_store):
+    inj, gate, syncs = held_sync()
+    s = make_store(fault_injector=inj)
+    ks = keys(6)
+    t, box = write_in_thread(s, ks, [page(i) for i in range(6)])
+    t.join(1.0)
+    assert "ok" not in box, "default backup_ack returned before fdatasync + index commit"
+    # Nothing pending is visible by default: a page counts only once durable.
+    assert s.exists_prefix("kv", ks) == 0
+    gate.set()
+    t.join(20)
+    assert box["ok"] == [True] * 6 and s.exists_prefix("kv", ks) == 6
+
+
+def test_written_ack_then_failed_commit_is_a_later_miss_never_bytes(make_store):
+    gate = threading.Event()
+
+    def injector(op, slab, slot):
+        if op == "sync":
+            assert gate.wait(30)
+            raise OSError(5, "injected EIO at fdatasync")
+    s = make_store(durability={"backup_ack": "written"}, fault_injector=injector)
+    ks = keys(5)
+    assert s.write_pages("kv", ks, [page(i) for i in range(5)]) == [True] * 5
+    gate.set()
+    for _ in range(2000):
+        if not s.stats()["inflight"]["writes"]:
+            break
+        threading.Event().wait(0.005)
+    assert s.stats()["counters"]["write_errors"] >= 1
+    assert s.exists_prefix("kv", ks) == 0
+    o = [np.zeros(P, np.uint8) for _ in ks]
+    assert s.read_pages("kv", ks, o) == [False] * 5
+    assert s.stats()["occupancy"]["kv"]["used"] == 0, "slots of failed pages must come back"
+
+
+def test_written_pages_survive_close_and_reopen(make_store, l3_root):
+    s = make_store(durability={"backup_ack": "written"})
+    ks = keys(20)
+    assert s.write_pages("kv", ks, [page(i) for i in range(20)]) == [True] * 20
+    s.close()  # close drains the pending group commit
+    s2 = make_store(durability={"backup_ack": "written"}, cold_start="load")
+    assert s2.exists_prefix("kv", ks) == 20
+    o = [np.zeros(P, np.uint8) for _ in ks]
+    assert s2.read_pages("kv", ks, o) == [True] * 20
+    assert all(bytes(o[i]) == page(i) for i in range(20))
+
+
+def test_exists_each_answers_each_residue_class_prefix(make_store):
+    s = make_store(payloads={"kv": P, "ix": 4096})
+    ks = keys(12)
+    have = [0, 1, 2, 3, 5, 6, 9, 10]  # class 0 (i%3==0): 0,3,6,9 -> all; class 1: 1,10 (4 missing); class 2: 2,5 (8 missing)
+    assert all(s.write_pages("kv", [ks[i] for i in have], [page(i) for i in have]))
+    assert all(s.write_pages("ix", [ks[i] for i in have], [page(i, 4096) for i in have]))
+    got = s.exists_each(["kv", "ix"], ks, classes=3)
+    assert got == [True, True, True, True, False, True, True, False, False, True, False, False]
+    assert s.exists_each(["kv"], ks) == [True] * 4 + [False] * 8
+    assert s.exists_prefix_multi(["kv", "ix"], ks) == 4
+    s.delete("ix", [ks[2]])
+    assert s.exists_each(["kv", "ix"], ks, classes=3)[2] is False
+    with pytest.raises(ValueError, match="classes"):
+        s.exists_each(["kv"], ks, classes=0)
+
+
+def test_key_digester_matches_key_digest():
+    for payload, rank, key in [("kv", 0, b""), ("indexer", 7, b"x" * 300), ("kv", 12, b"abc/0of8/ff")]:
+        assert key_digester(payload, rank)(key) == key_digest(payload, rank, key)
+
+
+def test_backup_ack_is_validated(l3_root):
+    with pytest.raises(L3ConfigError, match=r"durability\.backup_ack: 'soon' is not one of durable, written"):
+        parse_l3_config(config_doc(l3_root, durability={"plp_policy": "ignore", "backup_ack": "soon"}))
+    assert parse_l3_config(config_doc(l3_root)).backup_ack == "durable"
