@@ -13,7 +13,17 @@ query -> gloo MIN -> transfer -> completion MIN). Per rank it measures:
 and prints GB/s per rank and end-to-end times as a table. `file` cannot run under CP
 sharding (upstream refuses it), so its rows are CP=1.
 
-    python benchmark/hicache/bench_cp_l3.py [--pages 64] [--layers 78] [--reps 3] [--quick]
+Raw rows, same run, same disk: N writers (one per rank, ``io.threads`` requests in flight
+each, like the store) O_DIRECT-pwrite the bytes each rank owns in pages of the same size,
+fdatasync, then read them back cold with preadv. Every 'x raw' column divides by the raw row
+of the same CP size: the node's total (all ranks' bytes / time until the last rank is done)
+against the disk's own in that run.
+
+``--disks DIR0,DIR1``: also run CP=2 with ``rank_to_disk`` mapping rank i to DIR i (two
+devices: each rank's slab and I/O on its own filesystem; the index stays under --dir), with
+its own raw row over the same two directories.
+
+    python benchmark/hicache/bench_cp_l3.py [--pages 64] [--layers 78] [--reps 3] [--quick] [--disks A,B]
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "test", "integration"))
@@ -84,15 +95,111 @@ def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages
         r.close()
 
 
-def run_config(name, backend, world, sharded, args, workdir):
+def page_nbytes(layers: int) -> int:
+    from cp_harness import GLM5_KV_LORA, GLM5_ROPE
+
+    return PAGE * (GLM5_KV_LORA + GLM5_ROPE) * 2 * layers  # bf16 MLA rows, page_first: one page = all layers
+
+
+def open_raw(path: str, size: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def run_raw(world, dirs, args):
+    """`world` writers on `dirs` (writer i on dirs[i % len]): times of the slowest, per rep."""
+    import numpy as np
+
+    nbytes = page_nbytes(args.layers)
+    n_pages = -(-args.pages // world)  # pages each rank owns (sharded) or all of them (world 1)
+    raw_buf = np.empty(nbytes + 4096, np.uint8)
+    src = raw_buf[(-raw_buf.ctypes.data) % 4096:][:nbytes]
+    src[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst_bufs = []
+    for _ in range(world * args.threads):
+        b = np.empty(nbytes + 4096, np.uint8)
+        dst_bufs.append(b[(-b.ctypes.data) % 4096:][:nbytes])
+    out = []
+    for rep in range(args.reps):
+        fds = [open_raw(os.path.join(dirs[i % len(dirs)], f"raw-{i}.bin"), n_pages * nbytes) for i in range(world)]
+        try:
+            os.sync()
+
+            def writer(i):
+                with ThreadPoolExecutor(args.threads) as ex:
+                    list(ex.map(lambda p: os.pwrite(fds[i], src, p * nbytes), range(n_pages)))
+                os.fdatasync(fds[i])
+
+            def reader(i):
+                def one(p):
+                    assert os.preadv(fds[i], [dst_bufs[i * args.threads + p % args.threads]], p * nbytes) == nbytes
+                with ThreadPoolExecutor(args.threads) as ex:
+                    list(ex.map(one, range(n_pages)))
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(world) as ex:
+                list(ex.map(writer, range(world)))
+            tw = time.perf_counter() - t0
+            dropped = drop_caches()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(world) as ex:
+                list(ex.map(reader, range(world)))
+            tr = time.perf_counter() - t0
+        finally:
+            for i, fd in enumerate(fds):
+                os.close(fd)
+                os.unlink(os.path.join(dirs[i % len(dirs)], f"raw-{i}.bin"))
+        out.append([{"rank": i, "owned_pages": n_pages, "page_bytes": nbytes, "t_write": tw, "t_read": tr,
+                     "dropped": dropped if i == 0 else None} for i in range(world)])
+    return out
+
+
+TWO_DISK_CONFIG = """\
+[index]
+dir = "{root}/index"
+map_size_gb = 0.25
+
+[durability]
+plp_policy = "ignore"
+
+[[disks]]
+name = "d0"
+path = "{d0}"
+capacity_gb = {capacity_gb}
+
+[[disks]]
+name = "d1"
+path = "{d1}"
+capacity_gb = {capacity_gb}
+
+[rank_to_disk]
+"0" = "d0"
+"1" = "d1"
+"""
+
+
+def run_config(name, backend, world, sharded, args, workdir, disks=None):
     from sglang_cp.cli import write_demo_config
 
     results = []
     for rep in range(args.reps):
-        root = tempfile.mkdtemp(dir=workdir, prefix=f"{name}-{rep}-")
+        root = tempfile.mkdtemp(dir=workdir, prefix=f"{name.replace(' ', '_').replace(',', '')}-{rep}-")
         # Room for the workload (slabs are preallocated to the capacity).
         need_gb = round(2.5 * args.pages * args.layers * PAGE * 1152 / 1e9 + 0.5, 2)
-        cfg = write_demo_config(os.path.join(root, "l3"), capacity_gb=need_gb)
+        if disks:
+            subs = [tempfile.mkdtemp(dir=x, prefix="bench-cp-l3-") for x in disks]
+            os.makedirs(os.path.join(root, "l3", "index"))
+            cfg = os.path.join(root, "l3", "l3.toml")
+            with open(cfg, "w") as f:
+                f.write(TWO_DISK_CONFIG.format(root=os.path.join(root, "l3"), d0=subs[0], d1=subs[1],
+                                               capacity_gb=round(need_gb / 2 + 0.1, 2)))
+        else:
+            subs = []
+            cfg = write_demo_config(os.path.join(root, "l3"), capacity_gb=need_gb)
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, args.pages, args.layers, "clear"),
@@ -102,6 +209,8 @@ def run_config(name, backend, world, sharded, args, workdir):
                 raise SystemExit(f"{name}: data check failed on rank {r['rank']}: {r}")
         results.append(res)
         shutil.rmtree(root, ignore_errors=True)
+        for x in subs:
+            shutil.rmtree(x, ignore_errors=True)
     return results
 
 
@@ -114,8 +223,11 @@ def summarize(name, results):
     rd = [max(r["t_read"] for r in rep) for rep in results]
     wgb = [b / t / 1e9 for b, t in zip(per_rank_bytes, w)]
     rgb = [b / t / 1e9 for b, t in zip(per_rank_bytes, rd)]
+    node_bytes = [sum(r["owned_pages"] * r["page_bytes"] for r in rep) for rep in results]
     return {"name": name, "write_s": med(w), "read_s": med(rd), "write_gbps_rank": med(wgb),
-            "read_gbps_rank": med(rgb), "bytes_rank": per_rank_bytes[0],
+            "read_gbps_rank": med(rgb), "bytes_rank": per_rank_bytes[0], "world": len(results[0]),
+            "node_write_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, w)]),
+            "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
             "dropped": all(r["dropped"] for rep in results for r in rep if r["dropped"] is not None)}
 
 
@@ -127,6 +239,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="16 pages x 8 layers, 1 rep (smoke)")
     p.add_argument("--dir", default="/var/tmp", help="scratch dir on the disk under test")
     p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--threads", type=int, default=4, help="raw rows: requests in flight per writer (= io.threads)")
+    p.add_argument("--disks", default=None, help="DIR0,DIR1 on two devices: add CP=2 rows with rank_to_disk")
+    p.add_argument("--configs", default=None, help="';'-separated subset of row names (default: all; the file row always runs)")
     args = p.parse_args()
     if args.quick:
         args.pages, args.layers, args.reps = 16, 8, 1
@@ -134,32 +249,56 @@ def main():
     from rich.table import Table
     from tqdm import tqdm
 
-    configs = [("upstream file, CP=1", "file", 1, False), ("ours, CP=1", "cp_l3", 1, False),
-               ("ours, CP=2 sharded", "cp_l3", 2, True), ("ours, CP=4 sharded", "cp_l3", 4, True)]
+    configs = [("upstream file, CP=1", "file", 1, False, None), ("raw O_DIRECT, 1 writer", "raw", 1, False, None),
+               ("ours, CP=1", "cp_l3", 1, False, None),
+               ("raw O_DIRECT, 2 writers", "raw", 2, True, None), ("ours, CP=2 sharded", "cp_l3", 2, True, None),
+               ("raw O_DIRECT, 4 writers", "raw", 4, True, None), ("ours, CP=4 sharded", "cp_l3", 4, True, None)]
+    disks = args.disks.split(",") if args.disks else None
+    if disks:
+        if len(disks) != 2 or not all(os.path.isdir(x) for x in disks):
+            raise SystemExit("--disks: pass two existing directories, DIR0,DIR1, on two devices")
+        configs += [("raw O_DIRECT, 2 writers, 2 disks", "raw", 2, True, disks),
+                    ("ours, CP=2 sharded, 2 disks", "cp_l3", 2, True, disks)]
+    if args.configs:
+        keep = set(args.configs.split(";"))
+        configs = [c for c in configs if c[0] in keep or c[0].startswith("upstream")]
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
     try:
-        for name, backend, world, sharded in tqdm(configs, desc="configs"):
-            summaries.append(summarize(name, run_config(name, backend, world, sharded, args, workdir)))
+        for name, backend, world, sharded, dk in tqdm(configs, desc="configs"):
+            if backend == "raw":
+                summaries.append(summarize(name, run_raw(world, dk or [workdir], args)))
+            else:
+                summaries.append(summarize(name, run_config(name, backend, world, sharded, args, workdir, dk)))
+            summaries[-1]["disks"] = len(dk) if dk else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     base = summaries[0]
+    raw = {(s["world"], s["disks"]): s for s in summaries if s["name"].startswith("raw")}
     table = Table(title=f"HiCache storage path, {args.pages} pages x {args.layers} layers "
                         f"({args.pages * args.layers * PAGE * 1152 / 1e9:.2f} GB logical), median of "
                         f"{args.reps} (min-max); write = durable (file: + syncfs); read = cold prefetch")
     for col in ("config", "bytes/rank", "write GB/s/rank", "read GB/s/rank", "backup s (e2e)",
-                "prefetch s (e2e)", "write x file", "read x file"):
+                "prefetch s (e2e)", "node write GB/s", "node read GB/s", "node W x raw", "node R x raw",
+                "write x file", "read x file"):
         table.add_column(col, justify="right")
 
     def fmt(t):
         return f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"
     for s in summaries:
+        r = raw.get((s["world"], s["disks"]))
+        vs_raw = (f"{s['node_write_gbps'][0] / r['node_write_gbps'][0]:.2f}x",
+                  f"{s['node_read_gbps'][0] / r['node_read_gbps'][0]:.2f}x") if r else ("-", "-")
         table.add_row(s["name"], f"{s['bytes_rank'] / 1e9:.2f} GB", fmt(s["write_gbps_rank"]),
                       fmt(s["read_gbps_rank"]), fmt(s["write_s"]), fmt(s["read_s"]),
+                      fmt(s["node_write_gbps"]), fmt(s["node_read_gbps"]), *vs_raw,
                       f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
                       f"{base['read_s'][0] / s['read_s'][0]:.2f}x")
-    Console(width=200).print(table)
+    Console(width=280).print(table)
     print("page cache dropped before every cold read:", all(s["dropped"] for s in summaries))
+    print("node = all ranks' bytes / time until the last rank is done; 'x raw' = against the raw row with as many "
+          "writers on the same disk(s) in this run; file and CP=1 ours compare with the 1-writer raw row.")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summaries, f, indent=2)

@@ -6,8 +6,12 @@ on CPU; pool A holds random data, pool B receives every read, and every read is 
 
   raw        posix_fallocate'd file, O_DIRECT pwrite of each page from pool A (io.threads in flight,
              the store's parallelism), one fdatasync (timed); cold O_DIRECT preadv into pool B.
-  ours       L3Store.write_pages (to DURABLE) and read_pages in batches of 128 pages, the way upstream's
-             storage thread calls batch_set_v1/batch_get_v1.
+  ours       L3Store.submit_write pipeline (to the last DURABLE ack); read_pages in batches of 128 pages.
+  ours-sync128    write_pages per 128-page batch, each waiting for DURABLE (durability.backup_ack =
+             "durable", the default), the way upstream's storage thread calls batch_set_v1.
+  ours-written128 the same calls under durability.backup_ack = "written": each returns once its pages
+             are written; "ack" = the last call returned (what upstream's backup thread waits),
+             "durable write" = until every page is durable (index committed).
   hicache    upstream HiCacheFile (`--hicache-storage-backend file`) driven like HiCacheController's
              generic page path: batch_set of 128 `get_data_page` views; syncfs timed separately
              ("write+sync"); reads: batch_get into `get_dummy_flat_data_page` + set_from_flat_data_page.
@@ -132,7 +136,7 @@ def staging_pages(page_bytes: int) -> int:
     return max(BATCH, (256 << 20) // page_bytes)
 
 
-def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):
+def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):  # noqa: C901
     """mode 'async': every 128-page batch submitted with submit_write, timed until the last DURABLE ack
     (the spill pipeline). mode 'sync128': write_pages per 128-page batch, each waiting for DURABLE (what
     upstream's storage thread does through batch_set_v1). Reads: read_pages per 128-page batch."""
@@ -143,7 +147,7 @@ def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):
     cfg = parse_l3_config({
         "index": {"dir": os.path.join(root, "idx"), "map_size_gb": 0.064},
         "io": {"threads": threads, "max_inflight_pages": staging_pages(page_bytes)},
-        "durability": {"plp_policy": "ignore"},
+        "durability": {"plp_policy": "ignore", "backup_ack": "written" if mode == "written128" else "durable"},
         "disks": [{"name": "d", "path": os.path.join(root, "disk"), "capacity_gb": (n + 8) * slot / 0.85 / 1e9}],
     })
     keys = [f"{tag}-{i}".encode() for i in range(n)]
@@ -151,11 +155,15 @@ def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):
     try:
         task = progress.add_task(f"ours write ({mode}, to DURABLE)", total=n)
         t0 = time.perf_counter()
-        if mode == "sync128":
+        t_ack = None
+        if mode in ("sync128", "written128"):
             for s in range(0, n, BATCH):
                 ok = store.write_pages("kv", keys[s:s + BATCH], [page_np(a, i) for i in range(s, min(n, s + BATCH))])
                 assert all(ok), "ours: write failed"
                 progress.advance(task, len(ok))
+            t_ack = time.perf_counter() - t0
+            while store.stats()["occupancy"]["kv"]["durable"] < n:  # "written": the last group commit
+                time.sleep(0.0005)
         else:
             durable = 0
 
@@ -186,7 +194,7 @@ def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):
     finally:
         store.close()
         shutil.rmtree(root)
-    return {"write": tw, "write+sync": tw, "read": tr, "dropped": dropped}
+    return {"write": t_ack or tw, "write+sync": tw, "read": tr, "dropped": dropped}
 
 
 def run_hicache(d, a, b, n, page_bytes, progress, tag):
@@ -262,7 +270,7 @@ def bench_exists(d, n_keys=2048, runs=51):
 def result_table(rows, args, what: str):
     table = Table(title=f"L3 store vs raw O_DIRECT vs HiCacheFile, {what}: GB/s (1e9 B), median of {args.reps} "
                         f"(min-max), {args.gib:g} GiB per case, {args.threads} I/O threads")
-    for col in ("page B", "pages", "path", "write (no sync)", "durable write", "cold read", "W/raw", "W/raw paired",
+    for col in ("page B", "pages", "path", "write (no sync) / ack", "durable write", "cold read", "W/raw", "W/raw paired",
                 "R/raw", "R/raw paired", "W/hicache", "R/hicache", "bytes ok", "cache dropped"):
         table.add_column(col, justify="right")
     for r in rows:
@@ -293,6 +301,7 @@ def main():
     d = tempfile.mkdtemp(prefix="bench-l3-", dir=base)
     t_start = time.time()
     rows = []
+    ack_ratios = []
     try:
         import torch  # noqa: F401  (imported here so --help stays fast)
         console.print(f"dir={d} gib={args.gib} reps={args.reps} threads={args.threads} batch={BATCH}")
@@ -302,8 +311,8 @@ def main():
             a, b = make_pool(page_bytes, n), make_pool(page_bytes, n)
             a.kv_buffer.view(-1).copy_(torch.randint(0, 256, (a.kv_buffer.numel(),), dtype=torch.uint8))
             console.print(f"page {page_bytes} B: {n} pages, pools built + filled in {time.time() - t0:.1f} s")
-            res = {"raw": [], "ours": [], "ours-sync128": [], "hicache": []}
-            paths = ["raw", "ours", "ours-sync128"] + ([] if args.no_hicache else ["hicache"])
+            res = {"raw": [], "ours": [], "ours-sync128": [], "ours-written128": [], "hicache": []}
+            paths = ["raw", "ours", "ours-sync128", "ours-written128"] + ([] if args.no_hicache else ["hicache"])
             with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                           TimeElapsedColumn(), console=console, transient=True) as progress:
                 for rep in range(args.reps):
@@ -318,8 +327,8 @@ def main():
                             r = run_raw(d, a, b, n, page_bytes, args.threads, progress)
                         elif p == "ours":
                             r = run_ours(d, a, b, n, page_bytes, args.threads, progress, tag, "async")
-                        elif p == "ours-sync128":
-                            r = run_ours(d, a, b, n, page_bytes, args.threads, progress, tag, "sync128")
+                        elif p in ("ours-sync128", "ours-written128"):
+                            r = run_ours(d, a, b, n, page_bytes, args.threads, progress, tag, p[5:])
                         else:
                             r = run_hicache(d, a, b, n, page_bytes, progress, tag)
                         r["ok"] = bool(torch.equal(a.kv_buffer, b.kv_buffer))
@@ -339,9 +348,12 @@ def main():
                                f"{med[p]['read'] / med['hicache']['read']:.2f}"]
                 else:
                     ratios += ["-", "-"]
-                rows.append([f"{page_bytes:,}", f"{n}", p, fmt(gbps[p]["write"]) if p == "hicache" else "-",
+                rows.append([f"{page_bytes:,}", f"{n}", p,
+                             fmt(gbps[p]["write"]) if p in ("hicache", "ours-sync128", "ours-written128") else "-",
                              fmt(gbps[p]["write+sync"]), fmt(gbps[p]["read"]), *ratios,
                              str(all(r["ok"] for r in res[p])), str(all(r["dropped"] for r in res[p]))])
+            for p in ("ours-sync128", "ours-written128"):
+                ack_ratios.append((f"{p} {page_bytes:,} B", f"{statistics.median(x / y for x, y in zip(gbps[p]['write'], gbps['raw']['write+sync'])):.2f}"))
             # This page size's rows now: a later size that fails (e.g. host memory) must not lose them.
             console.print(result_table(rows[-len(paths):], args, f"page {page_bytes:,} B"))
             # The pools (and HiCacheFile's reference cycle to pool A) must be gone before the next size's
@@ -357,7 +369,11 @@ def main():
                   "batch (each waits for DURABLE, like upstream's storage thread); both read with read_pages per 128 "
                   "pages. io.max_inflight_pages = max(128, 256 MiB / page).")
     console.print("durable write: raw = O_DIRECT + fdatasync; ours = to DURABLE ack (data, fdatasync, LMDB commit); "
-                  "hicache = batch_set + syncfs. W ratios use durable write.")
+                  "hicache = batch_set + syncfs. W ratios use durable write. 'ack' column: ours-sync128/-written128 = "
+                  "until the last write_pages call returned (what upstream's backup thread waits); hicache = batch_set "
+                  "without sync.")
+    console.print("W/ack ratios (ack time vs raw durable write, median of per-rep pairs): " + ", ".join(
+        f"{p}: {v}" for p, v in ack_ratios))
     try:
         thp = escape(open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip())  # '[madvise]' is markup
     except OSError:

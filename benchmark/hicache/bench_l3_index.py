@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""The L3 hit query (exists_*) and the store's spill/reload at node-scale index sizes.
+
+For each index size N (default 1M, 5M, 20M entries; 20M = a node of 8 x 7.68 TB drives of 3.3 MB
+pages), one run:
+
+  1. build   N entries of the other 7 ranks of a node, straight into the shared LMDB index in bulk
+             (sorted keys, MDB_APPEND; two payload tags, like KV + DSA indexer); bytes/entry reported;
+  2. open    an L3Store for rank 0 on that index (cold start 'clear' scans the whole index: timed);
+  3. write   16,384 real pages x 2 payloads (4 KiB each) for rank 0 through write_pages, so the
+             queried keys are real index entries among the N others;
+  4. query   exists_prefix (1 payload) and exists_prefix_multi (KV + indexer) over 2,048 and 16,384 keys
+             (a 128K- and a 1M-token context of 64-token pages), and exists_each with 8 classes (one CP8
+             rank's hit query for every rotation phase at once), all keys present (the full scan);
+             the store keys are built the way the backend builds them (KeyScheme), timed with the query;
+  5. I/O     spill (write_pages per 128 pages, to DURABLE) and cold reload (read_pages per 128) of
+             --io-mib of 1 MiB pages, against raw O_DIRECT (pwrite x io.threads + fdatasync; preadv)
+             in the same run, so 'unchanged at 20M' is a same-run ratio.
+
+Every figure: median with p99 and min-max over --runs repetitions. The index lives in page cache
+(it was just written; a serving node's index is hot). The index is deleted after each size.
+
+    python benchmark/hicache/bench_l3_index.py --dir /var/tmp/l3idx [--sizes 1000000,5000000,20000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+
+from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme  # noqa: E402
+from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
+from sglang_cp.l3.blob import payload_tag  # noqa: E402
+from sglang_cp.l3.index import IndexEntry, SharedIndex  # noqa: E402
+
+PAYLOADS = {"kv": 4096, "indexer": 4096}
+BIG = 1 << 20  # spill/reload pages (a second store, rank 1, on its own directory)
+QUERY_KEYS = 16384
+BATCH = 128
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def build(index, n: int, seed: int) -> float:
+    """n entries of ranks 1..7 (half KV, half indexer), appended in key order: one sorted bulk load."""
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    keys = np.empty((n, 20), np.uint8)
+    tags = np.frombuffer(b"".join(payload_tag(p).to_bytes(4, "little") for p in ("kv", "indexer")), np.uint8)
+    keys[: n // 2, :4] = tags[:4]
+    keys[n // 2:, :4] = tags[4:]
+    keys[:, 4:] = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    order = np.sort(keys.view("S20").ravel())  # memcmp order of equal-length keys = LMDB's order
+    raw = order.tobytes()  # tobytes keeps trailing NULs (bytes(np.bytes_) would strip them)
+    del keys, order
+    vals = [IndexEntry(1 + r, r % 8, i, 0, 4096, 1, 1).pack() for i, r in enumerate(range(7))]
+    chunk = 1 << 20
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        with index.env.begin(write=True) as txn:
+            cur = txn.cursor()
+            items = ((raw[20 * i:20 * i + 20], vals[i % 7]) for i in range(s, e))
+            consumed, added = cur.putmulti(items, append=True)
+            assert added == e - s, f"bulk load: {added} of {e - s} appended (duplicate or out-of-order key)"
+    return time.perf_counter() - t0
+
+
+def timed(fn, runs: int) -> tuple[list[float], list[float]]:
+    """(wall seconds, CPU seconds of this thread) per call. On a shared, loaded machine wall time is
+    mostly waiting for a core; CPU time is the query's own cost."""
+    wall, cpu = [], []
+    for _ in range(runs):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        fn()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return wall, cpu
+
+
+def stat_ms(xs: list[float]) -> str:
+    xs = sorted(xs)
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return f"{statistics.median(xs) * 1e3:.2f} ms (p99 {p99 * 1e3:.2f}, {xs[0] * 1e3:.2f}-{xs[-1] * 1e3:.2f})"
+
+
+def raw_io(d: str, pages: list, page_bytes: int, threads: int) -> tuple[float, float]:
+    path = os.path.join(d, "raw.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        n = len(pages)
+        os.posix_fallocate(fd, 0, n * page_bytes)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda i: os.pwrite(fd, pages[i], i * page_bytes), range(n)))
+        os.fdatasync(fd)
+        tw = time.perf_counter() - t0
+        drop_caches()
+        outs = [aligned(page_bytes) for _ in range(n)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda i: os.preadv(fd, [outs[i]], i * page_bytes), range(n)))
+        tr = time.perf_counter() - t0
+        assert all(bytes(o) == bytes(p) for o, p in zip(outs, pages)), "raw: bytes differ"
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return tw, tr
+
+
+def aligned(nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes + 4096, np.uint8)
+    off = (-buf.ctypes.data) % 4096
+    return buf[off:off + nbytes]
+
+
+def store_io(store: L3Store, pages: list, tag: str) -> tuple[float, float]:
+    keys = [f"{tag}-{i}".encode() for i in range(len(pages))]
+    t0 = time.perf_counter()
+    for s in range(0, len(pages), BATCH):
+        assert all(store.write_pages("big", keys[s:s + BATCH], pages[s:s + BATCH])), "spill failed"
+    tw = time.perf_counter() - t0
+    drop_caches()
+    outs = [aligned(BIG) for _ in pages]
+    t0 = time.perf_counter()
+    for s in range(0, len(pages), BATCH):
+        assert all(store.read_pages("big", keys[s:s + BATCH], outs[s:s + BATCH])), "reload missed"
+    tr = time.perf_counter() - t0
+    assert all(bytes(o) == bytes(p) for o, p in zip(outs, pages)), "ours: bytes differ"
+    store.delete("big", keys)
+    return tw, tr
+
+
+def one_size(base: str, n: int, args) -> dict:
+    d = tempfile.mkdtemp(prefix=f"idx-{n}-", dir=base)
+    out = {"entries": n}
+    try:
+        idx_dir, disk_dir, disk_io = os.path.join(d, "idx"), os.path.join(d, "disk"), os.path.join(d, "disk-io")
+        for x in (idx_dir, disk_dir, disk_io):
+            os.makedirs(x)
+        n_io = max(BATCH, args.io_mib * 2**20 // BIG)
+        est = 2 * 4096 * 1.0 + n * 120  # upper bound for the map: ~66 B/entry packed, 120 B with slack
+        map_gb = max(0.5, est * 1.5 / 1e9)
+        cfg = parse_l3_config({
+            "index": {"dir": idx_dir, "map_size_gb": map_gb, "max_map_size_gb": map_gb * 2},
+            "io": {"threads": args.threads, "max_inflight_pages": 256},
+            "durability": {"plp_policy": "ignore"},
+            "disks": [{"name": "d", "path": disk_dir, "capacity_gb": (QUERY_KEYS + 64) * 2 * 8192 / 0.85 / 1e9},
+                      {"name": "io", "path": disk_io, "capacity_gb": (n_io + 8) * (BIG + 4096) / 0.85 / 1e9}],
+        })
+        index = SharedIndex(idx_dir, cfg.index.map_size_bytes, cfg.index.max_map_size_bytes)
+        try:
+            out["build_s"] = build(index, n, seed=n)
+            index.env.sync(True)
+            out["bytes_per_entry"] = os.path.getsize(os.path.join(idx_dir, "data.mdb")) / n
+            t0 = time.perf_counter()
+            store = L3Store(cfg, rank=0, ranks_per_node=2, payloads=PAYLOADS, cold_start="clear")
+            out["cold_start_clear_s"] = time.perf_counter() - t0
+            io_store = L3Store(cfg, rank=1, ranks_per_node=2, payloads={"big": BIG}, cold_start="load") \
+                if args.io_mib else None
+        finally:
+            index.close()  # the store holds its own reference
+        try:
+            ks = KeyScheme(KeyIdentity(model="glm-5", dtype="torch.uint8", page_size=64, layout="page_first",
+                                       rank_replicated=True, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, cp_size=8,
+                                       cp_strategy="zigzag", sharded=True, page_bytes=(("kv", 4096),)))
+            # (the io store on rank 1 opened with 'load': its scan of the index is not timed)
+            hashes = [os.urandom(32).hex() for _ in range(QUERY_KEYS)]
+            skeys = ks.keys(hashes, 0)
+            page = np.zeros(4096, np.uint8)
+            for p in ("kv", "indexer"):
+                for s in range(0, QUERY_KEYS, 1024):
+                    assert all(store.write_pages(p, skeys[s:s + 1024], [page] * len(skeys[s:s + 1024])))
+            out["index_entries"] = store._index.count()
+            for nk in (2048, QUERY_KEYS):
+                h = hashes[:nk]
+                runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
+                out[f"prefix1_{nk}"] = timed(lambda: store.exists_prefix("kv", ks.keys(h, 0)) == nk or _fail(), runs)
+                out[f"prefix2_{nk}"] = timed(
+                    lambda: store.exists_prefix_multi(["kv", "indexer"], ks.keys(h, 0)) == nk or _fail(), runs)
+                # Floors, same run: the LMDB lookups alone (store keys digested beforehand), one txn.
+                rows1 = store._exists_rows(["kv"], skeys[:nk])
+                rows2 = store._exists_rows(["kv", "indexer"], skeys[:nk])
+                out[f"lmdb1_{nk}"] = timed(lambda: store._index.exists_prefix(rows1) == nk or _fail(), runs)
+                out[f"lmdb2_{nk}"] = timed(lambda: store._index.exists_prefix(rows2) == nk or _fail(), runs)
+                out[f"each8_{nk}"] = timed(
+                    lambda: all(store.exists_each(["kv", "indexer"], ks.keys(h, 0), classes=8)) or _fail(), runs)
+            if io_store is not None:
+                rng = np.random.default_rng(1)
+                pages = []
+                for _ in range(n_io):
+                    a = aligned(BIG)
+                    a[:] = rng.integers(0, 256, BIG, dtype=np.uint8)
+                    pages.append(a)
+                ws, rs, rws, rrs = [], [], [], []
+                for rep in range(args.io_reps):
+                    os.sync()
+                    tw, tr = raw_io(disk_io, pages, BIG, args.threads)
+                    os.sync()
+                    ow, orr = store_io(io_store, pages, f"io{rep}")
+                    rws.append(tw / ow)
+                    rrs.append(tr / orr)
+                    ws.append(ow)
+                    rs.append(orr)
+                out["io_bytes"] = n_io * BIG
+                out["spill_vs_raw"] = rws
+                out["reload_vs_raw"] = rrs
+                out["spill_gbps"] = [out["io_bytes"] / t / 1e9 for t in ws]
+                out["reload_gbps"] = [out["io_bytes"] / t / 1e9 for t in rs]
+        finally:
+            store.close()
+            if io_store is not None:
+                io_store.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def _fail():
+    raise AssertionError("hit query answered less than the full prefix")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="scratch dir on a real disk (not tmpfs)")
+    ap.add_argument("--sizes", default="1000000,5000000,20000000")
+    ap.add_argument("--runs", type=int, default=200, help="hit queries per cell (16K-key cells: runs/4, >= 20)")
+    ap.add_argument("--io-mib", type=int, default=256, help="spill/reload bytes per rep (0: skip)")
+    ap.add_argument("--io-reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=4)
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    t_start = time.time()
+    rows = []
+    for n in [int(x) for x in args.sizes.split(",")]:
+        r = one_size(args.dir, n, args)
+        rows.append(r)
+        print(f"\n== {n:,} entries of other ranks + {r['index_entries'] - n:,} of rank 0 "
+              f"(bulk build {r['build_s']:.1f} s, {r['bytes_per_entry']:.0f} B/entry on disk = "
+              f"{r['bytes_per_entry'] * n / 1e9:.2f} GB; store cold start 'clear' scanned it in "
+              f"{r['cold_start_clear_s']:.1f} s)", flush=True)
+        for nk in (2048, QUERY_KEYS):
+            for cell, what in (("prefix1", "exists_prefix kv         "), ("lmdb1", "  floor: LMDB gets, kv   "),
+                               ("prefix2", "exists_prefix_multi kv+ix"), ("lmdb2", "  floor: LMDB gets, kv+ix"),
+                               ("each8", "exists_each kv+ix, 8 cls ")):
+                wall, cpu = r[f"{cell}_{nk}"]
+                print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
+        if "spill_vs_raw" in r:
+            def med(xs):
+                return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+            print(f"  spill (write_pages/128, DURABLE) {med(r['spill_gbps'])} GB/s = {med(r['spill_vs_raw'])}x raw; "
+                  f"cold reload (read_pages/128) {med(r['reload_gbps'])} GB/s = {med(r['reload_vs_raw'])}x raw "
+                  f"({r['io_bytes'] / 2**20:.0f} MiB of 1 MiB pages, {args.io_reps} reps, same-run raw O_DIRECT)")
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
+          f"wall {time.time() - t_start:.0f} s. Times include building the store keys (KeyScheme), as the backend does; "
+          "'floor' = the same lookups with the keys digested beforehand (LMDB alone), same run.")
+
+
+if __name__ == "__main__":
+    main()
