@@ -180,7 +180,8 @@ def one_size(base: str, n: int, args) -> dict:
         try:
             ks = KeyScheme(KeyIdentity(model="glm-5", dtype="torch.uint8", page_size=64, layout="page_first",
                                        rank_replicated=True, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, cp_size=8,
-                                       cp_strategy="zigzag", sharded=True, page_bytes=(("kv", 4096),)))
+                                       cp_strategy="zigzag", sharded=True, page_bytes=(("kv", 4096),),
+                                       logical_dtypes=(("kv", "fp8_e4m3"),)))
             # (the io store on rank 1 opened with 'load': its scan of the index is not timed)
             hashes = [os.urandom(32).hex() for _ in range(QUERY_KEYS)]
             skeys = ks.keys(hashes, 0)
