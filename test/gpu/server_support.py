@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (real-server tests)", allow_module_level=True)
 
+from sglang_cp.cli import write_demo_config  # noqa: E402
 from sglang_cp.server_process import ServerProcess  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,16 +54,8 @@ def base_dir(tmp_path_factory, name: str) -> str:
 
 
 def write_l3_config(root: str, capacity_gb: float = 2.0) -> str:
-    index, data = os.path.join(root, "l3", "index"), os.path.join(root, "l3", "data")
-    os.makedirs(index, mode=0o700, exist_ok=True)
-    os.makedirs(data, mode=0o700, exist_ok=True)
-    path = os.path.join(root, "l3.toml")
-    with open(path, "w") as f:
-        f.write(f'[index]\ndir = "{index}"\nmap_size_gb = 0.5\nmax_map_size_gb = 2.0\n'
-                f'[durability]\nplp_policy = "ignore"\n'
-                f'[io]\nthreads = 4\nmax_inflight_pages = 64\n'
-                f'[[disks]]\nname = "d0"\npath = "{data}"\ncapacity_gb = {capacity_gb}\n')
-    return path
+    """The embedded default L3 config (``sglang-cp demo``'s) with its directories under ``root/l3``."""
+    return write_demo_config(os.path.join(root, "l3"), capacity_gb=capacity_gb)
 
 
 def l3_flags(config: str, cold_start: str) -> list:
@@ -73,7 +66,7 @@ def l3_flags(config: str, cold_start: str) -> list:
 
 
 def slab_files(config_root: str) -> list:
-    return sorted(glob.glob(os.path.join(config_root, "l3", "data", "**", "*.slab"), recursive=True))
+    return sorted(glob.glob(os.path.join(config_root, "l3", "disk0", "**", "*.slab"), recursive=True))
 
 
 def prompt(n: int, seed: int) -> list:
