@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import re
 import sys
@@ -30,6 +31,11 @@ SLAB_SUBDIR = "sglang-cp-l3"  # the store's directory under each disk path
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")
 BACKUP_ACKS = ("durable", "written")
+# Upper bounds, so an absurd value is a config error naming the field instead of an OverflowError or an
+# allocation failure after the store already acted (cold start 'clear' runs before staging is built).
+MAX_DISK_BYTES = 2**62            # a slab is one file: its size must be a valid off_t with room to spare
+MAX_MAP_BYTES = 2**46             # LMDB maps the whole map: 64 TiB is half of x86-64 user address space
+MAX_INFLIGHT_PAGES = 65536        # staging holds this many slot images per payload, allocated at open
 _warned_devices: set[str] = set()
 
 
@@ -136,7 +142,20 @@ def _number(table: dict, key: str, where: str, default: Optional[float]) -> floa
     value = table[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise L3ConfigError(f"{path}: must be a number, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a TOML integer too large for a float
+        raise L3ConfigError(f"{path}: {value} is out of range; use a finite number") from None
+    if not math.isfinite(value):
+        raise L3ConfigError(f"{path}: must be a finite number, got {value}")
+    return value
+
+
+def _gb_to_bytes(value: float, path: str, limit: int, what: str) -> int:
+    """GB (10**9 bytes) to bytes, refusing what no machine can honour instead of overflowing later."""
+    if value * GB > limit:
+        raise L3ConfigError(f"{path}: {value:g} GB is beyond {limit / GB:g} GB ({what}); use a real size")
+    return int(value * GB)
 
 
 def _integer(table: dict, key: str, where: str, default: Optional[int]) -> int:
@@ -189,7 +208,13 @@ def _parse_index(doc: dict) -> IndexConfig:
         raise L3ConfigError(
             f"index.max_map_size_gb: {max_size} is below index.map_size_gb {size}; raise it or remove it "
             "(default 16 x map_size_gb)")
-    return IndexConfig(d, _round_up(int(size * GB), ALIGN), _round_up(int(max_size * GB), ALIGN))
+    room = "what one process can map"
+    size_bytes = _gb_to_bytes(size, "index.map_size_gb", MAX_MAP_BYTES, room)
+    if "max_map_size_gb" in t:
+        max_bytes = _gb_to_bytes(max_size, "index.max_map_size_gb", MAX_MAP_BYTES, room)
+    else:  # the default grows with map_size_gb; keep it mappable
+        max_bytes = min(int(max_size * GB), MAX_MAP_BYTES)
+    return IndexConfig(d, _round_up(size_bytes, ALIGN), _round_up(max_bytes, ALIGN))
 
 
 def _parse_gc(doc: dict) -> GcConfig:
@@ -217,8 +242,10 @@ def _parse_io(doc: dict) -> IoConfig:
     if not 1 <= threads <= 256:
         raise L3ConfigError(f"io.threads: must be in [1, 256], got {threads}")
     inflight = _integer(t, "max_inflight_pages", "io", 64)
-    if inflight < 1:
-        raise L3ConfigError(f"io.max_inflight_pages: must be >= 1, got {inflight}")
+    if not 1 <= inflight <= MAX_INFLIGHT_PAGES:
+        raise L3ConfigError(
+            f"io.max_inflight_pages: must be >= 1 and <= {MAX_INFLIGHT_PAGES}, got {inflight} (the store allocates "
+            "this many page-sized staging buffers per payload at open); the default is 64")
     return IoConfig(threads, inflight)
 
 
@@ -247,7 +274,8 @@ def _parse_disks(doc: dict) -> tuple[DiskConfig, ...]:
                 f"{where}.path: '{path}' is the same directory as disks[{paths[path]}].path; "
                 "list each directory once and give it the combined capacity_gb")
         names[name], paths[path] = i, i
-        disks.append(DiskConfig(name, path, int(cap * GB)))
+        disks.append(DiskConfig(name, path, _gb_to_bytes(cap, f"{where}.capacity_gb", MAX_DISK_BYTES,
+                                                          "the largest slab file")))
     return tuple(disks)
 
 
@@ -353,4 +381,10 @@ def load_l3_config(path: str) -> L3Config:
         raise L3ConfigError(f"--cp-l3-config: '{path}' is a directory; pass the TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise L3ConfigError(f"--cp-l3-config: '{path}' is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise L3ConfigError(f"--cp-l3-config: '{path}' is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
+                            f"at offset {e.start}); TOML files must be UTF-8: re-save it as UTF-8") from None
+    except OSError as e:
+        raise L3ConfigError(f"--cp-l3-config: cannot read '{path}' ({e.strerror}); check the path and "
+                            "its permissions") from None
     return parse_l3_config(doc, source=path)
