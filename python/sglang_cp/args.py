@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -121,6 +122,29 @@ _ARGS = (
         ),
     ),
 )
+
+
+ERROR_PROG = "sglang serve"  # upstream's parser prog: our errors read like its argparse errors
+
+
+def install_error_hook() -> None:
+    """Make an uncaught CpArgsError one line on stderr (``sglang serve: error: ...``), as upstream's
+    argparse errors read, instead of two chained tracebacks; any other exception goes to the hook that
+    was there before. Callers that catch CpArgsError (Engine users, ``sglang-cp check-args``) still get
+    the exception. Idempotent."""
+    prev = sys.excepthook
+    if getattr(prev, "_sglang_cp", False):
+        return
+
+    def hook(etype, value, tb):
+        if isinstance(value, CpArgsError):
+            sys.stderr.write(f"{ERROR_PROG}: error: {value}\n")
+            sys.stderr.flush()
+            return
+        prev(etype, value, tb)
+
+    hook._sglang_cp = True
+    sys.excepthook = hook
 
 
 def add_cli_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

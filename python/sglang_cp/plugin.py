@@ -53,13 +53,51 @@ def register() -> bool:
                 register_resolution_hook(spec.target)(spec.fn)
             else:
                 HookRegistry.register(spec.target, spec.fn, HookType[spec.kind.upper()])
+        from sglang_cp.args import install_error_hook
+
+        install_error_hook()
         _state["registered"] = True
         logger.info("sglang-cp plugin registered %d hooks", len(specs))
         return True
     except Exception as e:  # never raise into SGLang
         _state["disabled_reason"] = f"registration failed: {e!r}"
         logger.exception("sglang-cp plugin failed to register; SGLang runs without it")
+        _register_failure_notice(f"{type(e).__name__}: {e}")
         return False
+
+
+# Our flags, as a plain list: the notice must work even when sglang_cp.args is what failed to import.
+_FLAGS = ("--enable-cp-l3", "--cp-l3-config", "--cp-l3-cold-start", "--enable-cp-shared-physical-l2-hicache",
+          "--cp-shared-l2-hugetlbfs-dir", "--cp-hicache-max-slab-gb", "--cp-hicache-placement-assert")
+
+
+def _register_failure_notice(cause: str) -> None:
+    """After a failed registration, SGLang's parser would answer our flags with only "unrecognized
+    arguments: --enable-cp-l3". Add the flags back as an argument group whose every flag fails with the
+    real cause instead. Changes nothing else: a command line without our flags parses as upstream's."""
+    import argparse
+
+    class _Unavailable(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string}: the sglang-cp plugin is installed but failed to register "
+                         f"({cause}); SGLang runs without it. Run `sglang-cp doctor` to see what failed and "
+                         "fix the installation, or drop the sglang-cp flags")
+
+    def add_cli_args_around(original, parser):
+        result = original(parser)
+        if not any(f in a.option_strings for a in parser._actions for f in _FLAGS):
+            group = parser.add_argument_group("sglang-cp (failed to register: its flags are unavailable)")
+            for flag in _FLAGS:
+                group.add_argument(flag, action=_Unavailable, nargs="?", help=argparse.SUPPRESS)
+        return result
+
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", add_cli_args_around,
+                              HookType.AROUND)
+    except Exception:  # never raise into SGLang; the log above already names the cause
+        logger.exception("sglang-cp: could not install the notice for its unavailable flags")
 
 
 def status() -> dict:

@@ -1,0 +1,68 @@
+"""Config and flag errors through the real launcher: one line naming the field, non-zero exit.
+
+``python -m sglang.launch_server`` with the plugin loaded used to print two chained tracebacks
+(~40 lines) around the message; and when the plugin failed to register, our flags were only
+"unrecognized arguments". Both are real launcher processes on CPU (no model is touched: the
+errors come while parsing the command line).
+"""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The launcher as a module, with one hook module made unimportable first (as a broken install is).
+BROKEN = """
+import runpy, sys
+sys.modules["sglang_cp.integration.l3_storage_backend"] = None
+sys.argv = ["sglang.launch_server"] + sys.argv[1:]
+runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
+
+
+def launch(args, broken=False):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("SGLANG_CP_DISABLE", None)
+    env.pop("SGLANG_PLUGINS", None)
+    cmd = [sys.executable, "-c", BROKEN] if broken else [sys.executable, "-m", "sglang.launch_server"]
+    return subprocess.run(cmd + ["--model-path", "dummy", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=240)
+
+
+def error_lines(p):
+    return [line for line in p.stderr.splitlines() if "error:" in line]
+
+
+def test_bad_config_is_one_line_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[index]\ndir = "{tmp_path}"\n[[disks]]\nname = "d0"\npath = "{tmp_path}"\n'
+                   "capacity_gb = nan\n")
+    p = launch(["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", str(bad)])
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = error_lines(p)
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("sglang serve: error: --cp-l3-config") and "disks[0].capacity_gb" in lines[0]
+
+
+def test_flag_error_is_one_line_naming_the_flag():
+    p = launch(["--enable-cp-l3"])
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr
+    assert error_lines(p) == ["sglang serve: error: --enable-cp-l3 needs --enable-hierarchical-cache: the L3 "
+                              "tier persists pages of the HiCache host pool. Add --enable-hierarchical-cache."]
+
+
+def test_failed_registration_names_the_cause_not_unrecognized_arguments():
+    p = launch(["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml"], broken=True)
+    assert p.returncode == 2, p.stderr
+    assert "unrecognized arguments" not in p.stderr
+    line = error_lines(p)[-1]
+    assert line.startswith("sglang serve: error: --enable-cp-l3: the sglang-cp plugin is installed but failed "
+                           "to register") and "sglang_cp.integration.l3_storage_backend" in line, p.stderr
+
+
+def test_failed_registration_leaves_a_command_line_without_our_flags_alone():
+    p = launch(["--definitely-not-a-flag"], broken=True)
+    assert p.returncode == 2 and "unrecognized arguments: --definitely-not-a-flag" in p.stderr
