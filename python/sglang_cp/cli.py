@@ -20,6 +20,22 @@ import sys
 import textwrap
 
 
+def escape(text: str) -> str:
+    """Our text through rich: brackets in names and messages (``[index]``, ``disks[0]``) are not markup."""
+    from rich.markup import escape as _escape
+
+    return _escape(text)
+
+
+def _rel(path: str) -> str:
+    """``path`` relative to the working directory when it lies under it (output stays machine-neutral)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def _cmd_doctor(ns) -> int:
     from sglang_cp import doctor
 
@@ -58,19 +74,19 @@ def _cmd_check_args(ns) -> int:
 
         check_no_live_owner(server_args)  # a second server on a live L3 config would fail at open
     except (CpArgsError, ValueError) as e:
-        console.print(f"[bold red]rejected[/]: {e}")
+        console.print(f"[bold red]rejected[/]: {escape(str(e))}")
         return 2
     table = Table(title="launch_server arguments as SGLang parsed them (sglang-cp flags)")
     table.add_column("flag")
     table.add_column("value")
     for name in FLAG_NAMES:
-        table.add_row("--" + name.replace("_", "-"), repr(getattr(server_args, name)))
+        table.add_row("--" + name.replace("_", "-"), escape(repr(getattr(server_args, name))))
     from sglang.srt.arg_groups.overrides import resolved_view
 
     cfg = resolved_view(server_args)  # what the scheduler processes will see
     for name in ("enable_hierarchical_cache", "hicache_storage_backend",
                  "hicache_storage_backend_extra_config"):
-        table.add_row("--" + name.replace("_", "-") + " (upstream, resolved)", repr(getattr(cfg, name)))
+        table.add_row("--" + name.replace("_", "-") + " (upstream, resolved)", escape(repr(getattr(cfg, name))))
     console.print(table)
     console.print("[green]accepted[/]")
     return 0
@@ -113,21 +129,21 @@ def _cmd_demo(ns) -> int:
     console = Console()
     cfg = write_demo_config(ns.out_dir)
     console.rule("1. sglang-cp doctor on the embedded default L3 config")
-    console.print(f"config: {cfg}")
+    console.print(escape(f"config: {cfg}"))
     rc = _cmd_doctor(argparse.Namespace(
         cp_l3_config=cfg, cp_shared_l2_hugetlbfs_dir=None, hicache_size=None,
         cp_hicache_max_slab_gb=480.0, enable_cp_shared_physical_l2_hicache=False))
     good = ["--model-path", "dummy", "--enable-hierarchical-cache", "--enable-cp-l3",
             "--cp-l3-config", cfg, "--cp-l3-cold-start", "load"]
     console.rule("2. launch_server's parser accepts our flags")
-    console.print("python -m sglang.launch_server " + " ".join(good))
+    console.print(escape("python -m sglang.launch_server " + " ".join(good)))
     rc |= _cmd_check_args(argparse.Namespace(launch_args=good))
     bad_cfg = os.path.join(os.path.dirname(cfg), "bad.toml")
     with open(bad_cfg, "w") as f:
         f.write(open(cfg).read().replace("low_watermark = 0.85", "low_watermark = 0.95"))
     console.rule("3. ... and rejects a bad config, naming the field and the fix")
     bad = good[:5] + [bad_cfg]
-    console.print("python -m sglang.launch_server " + " ".join(bad))
+    console.print(escape("python -m sglang.launch_server " + " ".join(bad)))
     if _cmd_check_args(argparse.Namespace(launch_args=bad)) != 2:
         console.print("[bold red]a bad config was accepted[/]")
         rc |= 1
@@ -154,7 +170,7 @@ def _load_l3_config_or_exit(path, console):
     try:
         return load_l3_config(path)
     except L3ConfigError as e:
-        console.print(f"[bold red]config error[/]: {e}")
+        console.print(f"[bold red]config error[/]: {escape(str(e))}")
         return None
 
 
@@ -174,21 +190,21 @@ def _cmd_l3_stats(ns) -> int:
     if ns.json:
         print(json.dumps(st, indent=1))
         return 0
-    t = Table(title=f"L3 occupancy ({ns.cp_l3_config}); GC high {st['gc']['high_watermark']:.2f} / "
-                    f"low {st['gc']['low_watermark']:.2f}")
+    t = Table(title=escape(f"L3 occupancy ({ns.cp_l3_config}); GC high {st['gc']['high_watermark']:.2f} / "
+                           f"low {st['gc']['low_watermark']:.2f}"))
     for col in ("rank", "disk", "payload", "slot B", "used / slots", "used", "payload GB", "coldest page",
                 "GC"):
         t.add_column(col, justify="left" if col == "GC" else "right", no_wrap=True)
     for r in st["slabs"]:
         age = "-" if r["coldest_age_s"] is None else f"{r['coldest_age_s']:.0f} s ago"
-        t.add_row(str(r["rank"]), r["disk"], r["payload"], str(r["slot_bytes"]), f"{r['used']} / {r['slots']}",
+        t.add_row(str(r["rank"]), escape(r["disk"]), r["payload"], str(r["slot_bytes"]), f"{r['used']} / {r['slots']}",
                   f"{r['fraction']:.1%}", f"{r['payload_bytes'] / 1e9:.3f}", age, r["gc"])
     console.print(t)
     for state in sorted({r["gc"] for r in st["slabs"]}):
         console.print(f"GC {state}: {st['gc_states'][state]}")
     ix = st["index"]
     if ix is None:
-        console.print(f"index: none at {cfg.index_dir} (no server has written here yet)")
+        console.print(escape(f"index: none at {cfg.index_dir} (no server has written here yet)"))
     else:
         console.print(f"index: {ix['entries']} entries, {ix['used_bytes'] / 1e6:.1f} MB used of a "
                       f"{ix['map_size'] / 1e9:.2f} GB map (max {ix['max_map_size'] / 1e9:.2f} GB); "
@@ -203,10 +219,10 @@ def _cmd_l3_stats(ns) -> int:
     now = time.time()
     for r in recs:
         if "error" in r:
-            ct.add_row(str(r.get("rank")), r["disk"], f"[red]{r['error']}[/]", *["-"] * 6)
+            ct.add_row(str(r.get("rank")), escape(r["disk"]), f"[red]{escape(r['error'])}[/]", *["-"] * 6)
             continue
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.get("drop_reasons", {}).items()))
-        ct.add_row(str(r["rank"]), r["disk"], r.get("mode", "?"),
+        ct.add_row(str(r["rank"]), escape(r["disk"]), r.get("mode", "?"),
                    f"{max(0.0, now - r.get('finished_unix', now)):.0f} s ago", str(r.get("live", "-")),
                    f"{r.get('dropped', 0)}" + (f" ({reasons})" if reasons else ""),
                    str(r.get("index_entries_wiped", "-")), f"{r.get('seconds', 0):.3f}",
@@ -232,7 +248,7 @@ def _cmd_l3_fsck(ns) -> int:
     users = fsck.live_users(cfg)
     if users and ns.repair:
         console.print("[bold red]refusing --repair[/]: the L3 directory is in use by "
-                      + "; ".join(f"pid {p} ({c})" for p, c in users)
+                      + escape("; ".join(f"pid {p} ({c})" for p, c in users))
                       + ". Stop the server (or those processes) and run it again.")
         return FSCK_USAGE
     if users:
@@ -249,21 +265,24 @@ def _cmd_l3_fsck(ns) -> int:
                           "findings": [{"kind": f.kind, "slab": f.slab, "slot": f.slot, "rank": f.rank,
                                         "detail": f.detail} for f in rep.findings[:1000]]}, indent=1))
     else:
-        t = Table(title=f"L3 fsck ({ns.cp_l3_config}): {len(rep.slabs)} slab files, {rep.entries} index "
-                        f"entries, {rep.live} live")
+        t = Table(title=escape(f"L3 fsck ({ns.cp_l3_config}): {len(rep.slabs)} slab files, {rep.entries} index "
+                        f"entries, {rep.live} live"))
         for col in ("finding", "count", "repaired", "meaning"):
             t.add_column(col)
         meaning = {"dangling": "index entry without its blob (no slab/slot, or the slot holds another)",
                    "crc": "payload CRC mismatch", "cross_rank": "slot holds, or is claimed by, another rank",
                    "collision": "two entries of one rank claim one slot",
-                   "orphan": "valid blob no entry references (inert; informational)"}
-        for kind in (*fsck.PROBLEMS, "orphan"):
+                   "orphan": "valid blob no entry references (inert; informational)",
+                   "stray": "file named like a slab the store never writes (skipped; informational)"}
+        for kind in (*fsck.PROBLEMS, *fsck.INFO):
             t.add_row(kind, str(counts[kind]), str(rep.repaired[kind]) if ns.repair else "-", meaning[kind])
         console.print(t)
         if rep.cleared_after_delete:
             console.print(f"cleared the headers of {rep.cleared_after_delete} slot(s) whose entries were deleted")
         for f in [f for f in rep.findings if f.kind != "orphan"][:20]:
-            console.print(f"  {f.kind}: rank {f.rank} slot {f.slot} {f.slab or ''}: {f.detail}")
+            slab = _rel(f.slab) if f.slab else ""
+            where = slab if f.kind == "stray" else f"rank {f.rank} slot {f.slot} {slab}"
+            console.print(escape(f"  {f.kind}: {where}: {f.detail}"))
     if rep.problems() == 0:
         return FSCK_REPAIRED if rep.repaired else FSCK_CLEAN
     if ns.repair and rep.repair_failed == 0:

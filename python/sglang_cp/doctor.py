@@ -150,29 +150,65 @@ def check_l3_config(path: str) -> Iterable[Row]:
         yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
         st = os.statvfs(disk.path)
         free = st.f_bavail * st.f_frsize
-        have = free + _existing_slab_bytes(disk.path)
         need = int(disk.capacity_bytes)
+        reusable, stale = _slab_space(disk.path)
+        have = free + min(reusable, need)  # the store reopens its slabs in place, never beyond capacity
         status = OK if have >= need else FAIL
         fix = "" if status == OK else "; lower capacity_gb or free space"
+        reuse = f" + {min(reusable, need) / 1e9:.1f} GB in slabs the store reopens" if reusable else ""
         yield Row(
             "l3 disk",
             f"{disk.name}: space",
             status,
-            f"capacity {need / 1e9:g} GB; {free / 1e9:.1f} GB free{fix}",
+            f"capacity {need / 1e9:g} GB; {free / 1e9:.1f} GB free{reuse}{fix}",
         )
+        if stale:
+            total = sum(b for _, b, _ in stale)
+            yield Row("l3 disk", f"{disk.name}: stale slabs", WARN,
+                      f"{len(stale)} file(s), {total / 1e9:.3f} GB the store will not reuse (not counted as free): "
+                      + "; ".join(f"{os.path.basename(p)} ({why})" for p, _, why in stale[:5])
+                      + ("; ..." if len(stale) > 5 else "") + ". With no server running, delete them to free the space")
         yield from _plp_rows(disk.name, disk.path, cfg.plp_policy)
 
 
-def _existing_slab_bytes(directory: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(directory):
-        for f in files:
-            if f.endswith(".slab"):
-                try:
-                    total += os.stat(os.path.join(root, f)).st_blocks * 512
-                except OSError:
-                    pass
-    return total
+def _slab_space(directory: str) -> tuple[int, list[tuple[str, int, str]]]:
+    """(bytes of the slab files a store would reopen in place, [(path, bytes, why)] of stale ones).
+
+    The store opens ``<disk>/sglang-cp-l3/r<rank>.<payload>.s<slot bytes>.slab``: one file per rank and
+    payload. Another slot size of the same rank and payload (left by an earlier config) is never reopened,
+    nor is a file only named like a slab; of several, the most recently written is the one in use."""
+    from sglang_cp.l3.fsck import SLAB_NAME, SLAB_SUBDIR
+
+    sub = os.path.join(directory, SLAB_SUBDIR)
+    try:
+        names = os.listdir(sub)
+    except OSError:
+        return 0, []
+    latest: dict[tuple[str, str], tuple[float, str, int]] = {}
+    stale: list[tuple[str, int, str]] = []
+    for name in sorted(names):
+        m = SLAB_NAME.match(name)
+        if not m:
+            continue
+        path = os.path.join(sub, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        size = st.st_blocks * 512
+        slot = int(m.group(3))
+        if not os.path.isfile(path) or os.path.islink(path) or slot <= 0 or slot % 4096:
+            stale.append((path, size, "not a slab the store writes"))
+            continue
+        key = (m.group(1), m.group(2))
+        prev = latest.get(key)
+        if prev is None or st.st_mtime > prev[0]:
+            if prev is not None:
+                stale.append((prev[1], prev[2], f"older slot size of rank {key[0]} payload {key[1]}"))
+            latest[key] = (st.st_mtime, path, size)
+        else:
+            stale.append((path, size, f"older slot size of rank {key[0]} payload {key[1]}"))
+    return sum(v[2] for v in latest.values()), stale
 
 
 def _plp_rows(name: str, path: str, policy: str) -> Iterable[Row]:
@@ -262,6 +298,7 @@ def run_checks(cp_l3_config: Optional[str] = None, hugetlbfs_dir: Optional[str] 
 
 def render(rows: list[Row], console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -270,7 +307,8 @@ def render(rows: list[Row], console=None) -> None:
         table.add_column(col, overflow="fold")
     style = {OK: "green", INFO: "cyan", WARN: "yellow", FAIL: "bold red"}
     for r in rows:
-        table.add_row(r.area, r.item, f"[{style[r.status]}]{r.status}[/]", r.detail)
+        # Items and details carry user text: paths, TOML fields such as "[index]" or "disks[0]".
+        table.add_row(escape(r.area), escape(r.item), f"[{style[r.status]}]{r.status}[/]", escape(r.detail))
     console.print(table)
     fails = sum(r.status == FAIL for r in rows)
     console.print(f"{fails} blocking problem(s)" if fails else "no blocking problems")

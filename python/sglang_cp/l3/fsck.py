@@ -10,7 +10,10 @@ and per slab slot (docs_internal/cachebench.md has the table and the exit codes)
   different ranks claiming one slot (``collision`` when both are of one rank);
 - orphan (informational): a slot with a valid blob no entry references. The store leaves
   the bytes of freed slots in place (GC, ``clear``, an index commit lost in a crash);
-  recovery trusts only referenced slots, so an orphan is inert and not a problem.
+  recovery trusts only referenced slots, so an orphan is inert and not a problem;
+- stray (informational): a file named like a slab that the store never writes (its slot
+  size is not a positive multiple of 4096, or it is not a regular file). It is skipped, never
+  read; entries naming its rank and payload are judged against the real slabs only.
 
 ``--repair`` deletes every problem entry (a conditional delete: only if the key still maps
 to that exact rank/disk/slot/seq) and zeroes the header block of orphans so they can never
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -34,7 +38,9 @@ from .index import IndexEntry, LmdbIndex, SharedIndex
 
 from .config import SLAB_SUBDIR  # noqa: F401  (re-exported: where the store keeps slabs)
 _SLAB_NAME = re.compile(r"^r(\d+)\.([A-Za-z0-9_-]{1,64})\.s(\d+)\.slab$")
+SLAB_NAME = _SLAB_NAME  # r<rank>.<payload>.s<slot bytes>.slab
 PROBLEMS = ("dangling", "crc", "cross_rank", "collision")
+INFO = ("orphan", "stray")
 
 
 @dataclass
@@ -81,7 +87,8 @@ class Report:
         return sum(c[k] for k in PROBLEMS)
 
 
-def find_slabs(config: L3Config) -> list[Slab]:
+def find_slabs(config: L3Config, strays: list | None = None) -> list[Slab]:
+    """The slab files of every disk; files only named like one go to ``strays`` as (path, why)."""
     out = []
     for d_i, disk in enumerate(config.disks):
         sub = config.slab_dir(disk.path)
@@ -93,8 +100,20 @@ def find_slabs(config: L3Config) -> list[Slab]:
                 continue
             path = os.path.join(sub, name)
             slot_bytes = int(m.group(3))
-            out.append(Slab(path, d_i, int(m.group(1)), m.group(2), slot_bytes,
-                            os.path.getsize(path) // slot_bytes if slot_bytes else 0))
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            why = None
+            if not stat.S_ISREG(st.st_mode):
+                why = "not a regular file"
+            elif slot_bytes <= 0 or slot_bytes % ALIGN:
+                why = f"slot size {slot_bytes} B is not a positive multiple of {ALIGN} (the store never writes it)"
+            if why is not None:
+                if strays is not None:
+                    strays.append((path, why))
+                continue
+            out.append(Slab(path, d_i, int(m.group(1)), m.group(2), slot_bytes, st.st_size // slot_bytes))
     return out
 
 
@@ -162,7 +181,10 @@ def _guess_page_bytes(reader: _Reader, slab: Slab, tries: int = 64) -> int | Non
 
 def check(config: L3Config, *, full: bool = True) -> Report:
     """Scan everything; ``full`` also reads every referenced payload and checks its CRC."""
-    rep = Report(slabs=find_slabs(config))
+    strays: list[tuple[str, str]] = []
+    rep = Report(slabs=find_slabs(config, strays))
+    rep.findings += [Finding("stray", path, None, None, why + "; skipped (remove it if nothing of yours uses it)")
+                     for path, why in strays]
     index = open_index(config)
     entries = all_entries(index) if index is not None else []
     if index is not None:
@@ -178,7 +200,10 @@ def check(config: L3Config, *, full: bool = True) -> Report:
     try:
         for s in rep.slabs:
             common = lengths[(s.disk, s.rank, s.tag)].most_common(1)
-            s.page_bytes = common[0][0] if common else _guess_page_bytes(reader, s)
+            try:
+                s.page_bytes = common[0][0] if common else _guess_page_bytes(reader, s)
+            except OSError:
+                s.page_bytes = None  # unreadable: its entries (if any) turn dangling below
         # slot -> entries whose slot holds a parsable header of their rank (right key or not)
         claimed: dict[tuple[str, int], list[tuple[bytes, IndexEntry, bool]]] = defaultdict(list)
         for ikey, e in entries:
