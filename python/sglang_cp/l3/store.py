@@ -61,7 +61,7 @@ COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages"
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
             "header_errors", "foreign_blobs", "short_reads", "bad_pages_dropped", "gc_reclaimed",
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
-            "deleted_pages", "pool_full", "read_timeouts", "write_timeouts")
+            "deleted_pages", "pool_full", "read_timeouts", "write_timeouts", "clear_errors")
 
 
 class L3Store:
@@ -356,8 +356,9 @@ class L3Store:
         ikeys = [index_key(pool.tag, key_digest(payload, self.rank, k)) for k in keys]
         return self._control("delete", pool, ikeys)
 
-    def clear(self) -> None:
-        self._control("clear")
+    def clear(self) -> bool:
+        """Drop every page of this rank; False (and the clear_errors counter) if the index failed."""
+        return bool(self._control("clear"))
 
     def stats(self) -> dict:
         with self._lock:

@@ -433,12 +433,24 @@ class WriteThread:
             done.set()
 
     def _clear(self, done: threading.Event, box: dict) -> None:
+        """A runtime clear. If the index fails, the pages stay as they were and the caller gets a miss-like
+        outcome (a counter, a log, ``clear()`` returns False), never a dead store: the rank's entries are
+        deleted from the index first, and only then are the slots freed (index delete before slot free)."""
         from .recovery import cold_start
         s = self.s
         try:
-            box["result"] = cold_start("clear", s._index, s.rank, s._by_tag, 1)
+            try:
+                wiped = s._index.delete_rank(s.rank)
+                result = cold_start("clear", s._index, s.rank, s._by_tag, 1)
+            except (IndexFull, IndexUnavailable, OSError) as err:
+                s._fault("clear_errors", "clear", "L3 rank %d: clear failed (%s); the store keeps serving", s.rank,
+                         err)
+                box["result"] = False
+                return
+            result["index_entries_wiped"] += wiped
+            box["result"] = True
             self.dirty_touch.clear()
-            s._cold_start = dict(box["result"], mode="clear (runtime)")
+            s._cold_start = dict(result, mode="clear (runtime)")
             s._record_cold_start(s._cold_start)
         finally:
             done.set()
