@@ -19,6 +19,8 @@ import os
 import sys
 import textwrap
 
+from sglang_cp.demo_config import DEMO_CONFIG, write_demo_config  # noqa: F401 (public here too)
+
 
 def escape(text: str) -> str:
     """Our text through rich: brackets in names and messages (``[index]``, ``disks[0]``) are not markup."""
@@ -90,37 +92,6 @@ def _cmd_check_args(ns) -> int:
     console.print(table)
     console.print("[green]accepted[/]")
     return 0
-
-
-DEMO_CONFIG = """\
-# sglang-cp L3 config written by `sglang-cp demo`: one local directory as the "disk".
-[index]
-dir = "{root}/index"
-map_size_gb = 0.25
-
-[gc]
-high_watermark = 0.90
-low_watermark = 0.85
-
-[durability]
-plp_policy = "warn"
-
-[[disks]]
-name = "local0"
-path = "{root}/disk0"
-capacity_gb = {capacity_gb}
-"""
-
-
-def write_demo_config(root: str, capacity_gb: float = 1.0) -> str:
-    """The embedded default L3 config under ``root`` (slabs are preallocated to capacity_gb)."""
-    root = os.path.abspath(root)
-    for sub in ("index", "disk0"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-    path = os.path.join(root, "l3.toml")
-    with open(path, "w") as f:
-        f.write(DEMO_CONFIG.format(root=root, capacity_gb=capacity_gb))
-    return path
 
 
 def _cmd_demo(ns) -> int:
@@ -291,7 +262,9 @@ def _cmd_l3_fsck(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglang-cp", description=textwrap.dedent(__doc__))
+    # The description is laid out by hand (one subcommand per line): keep its line breaks.
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="sglang-cp", description=textwrap.dedent(__doc__), formatter_class=raw)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("doctor", help="check this machine against what was asked for")

@@ -83,3 +83,11 @@ def test_fsck_config_error_keeps_bracketed_names(disk_tmp):
     p = cli("l3", "fsck", "--cp-l3-config", cfg_path)
     assert p.returncode == 2
     assert "[index]: required table is missing" in p.stdout, p.stdout
+
+
+def test_help_keeps_one_subcommand_per_line():
+    p = cli("--help")
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    for name in ("doctor", "check-args", "demo", "cachebench", "l3 stats", "l3 fsck"):
+        assert any(line.startswith(f"  {name} ") for line in lines), (name, p.stdout)

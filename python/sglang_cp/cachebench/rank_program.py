@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from sglang_cp.integration.cp_testbed import PAGE, Rank, emit
+from sglang_cp.cachebench.cp_testbed import PAGE, Rank, emit
 
 from .workload import Request
 

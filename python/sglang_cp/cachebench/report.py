@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from sglang_cp.integration.cp_testbed import PAGE
+from sglang_cp.cachebench.cp_testbed import PAGE
 
 PHASES = ("warm-up", "pressure", "reload", "restart")
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 
-from sglang_cp.integration.cp_testbed import PAGE, run_ranks
+from sglang_cp.cachebench.cp_testbed import PAGE, run_ranks
 
 from . import rawdisk, report
 from .rank_program import run_phases
@@ -69,7 +69,7 @@ def _page_bytes(layers: int, sidecars: bool) -> int:
 
 
 def _l3_config(root: str, need_bytes: int) -> str:
-    from sglang_cp.cli import write_demo_config
+    from sglang_cp.demo_config import write_demo_config
 
     shutil.rmtree(root, ignore_errors=True)
     # Room for the working set below GC's watermark; slabs are preallocated to this size.

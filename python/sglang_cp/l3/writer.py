@@ -13,15 +13,13 @@ import errno
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 from .acks import AckKind, OpState
 from .errors import L3InvariantError
 from .index import IndexEntry, IndexFull, IndexUnavailable
 from .payload_pool import PayloadPool
 
-if TYPE_CHECKING:
-    from .store import L3Store
 
 # A coalesced write covers consecutive slots up to this many bytes (one pwritev).
 _MAX_IO_BYTES = 4 << 20
@@ -54,7 +52,7 @@ class WriteTask:
 
 
 class WriteThread:
-    def __init__(self, store: "L3Store"):
+    def __init__(self, store: Any):  # the owning L3Store; not imported: store.py imports this module
         self.s = store
         self.new: collections.deque[WriteTask] = collections.deque()
         self.completed: list[WriteTask] = []

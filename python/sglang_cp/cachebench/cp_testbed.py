@@ -1,8 +1,8 @@
 """CP testbed: real gloo rank processes, each with a real upstream HiCache controller.
 
 Used by ``sglang-cp cachebench``, the integration tests and ``bench_cp_l3.py``: the
-product may not import from ``test/``, so the reusable rank setup lives here. No HOOKS:
-it drives upstream, it does not patch it.
+product may not import from ``test/``, so the reusable rank setup lives here, next to
+cachebench. A harness, not a hook: it drives upstream, it does not patch it.
 
 Upstream symbols it builds and drives (sglang 0.5.23, paths under ``sglang/srt/``):
 ``server_args.prepare_server_args`` + ``ServerArgs.resolve_once`` (our flags select the
