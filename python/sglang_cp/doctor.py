@@ -261,12 +261,29 @@ def check_hugepages(hugetlbfs_dir: Optional[str], hicache_size_gb: Optional[floa
                                           f"({cap.free_bytes / GiB:.1f} GiB; {cap.source})")
         except HugepageL2Error as e:
             yield Row("hugepages", m, WARN, str(e))
+        yield from _stale_l2_rows(m)
     if not required and hugetlbfs_dir not in mounts:
         return  # nothing asked for hugepages and the default dir is not mounted: no plan to show
     for area, item, status, detail in doctor_report(hugetlbfs_dir, hicache_size_gb, max_slab_gb):
         if not required and status == FAIL:
             status = WARN  # not asked for: informative only
         yield Row(area, item, status, detail)
+
+
+def _stale_l2_rows(mount: str) -> Iterable[Row]:
+    from sglang_cp.l2.slab_files import stale_files
+
+    try:
+        stale = stale_files(mount)
+    except OSError as e:
+        yield Row("hugepages", f"{mount}: L2 slab files", WARN, f"cannot list them: {e.strerror}")
+        return
+    if stale:
+        spaces = sorted({f.namespace for _, f, _ in stale})
+        yield Row("hugepages", f"{mount}: stale L2 slabs", WARN,
+                  f"{len(stale)} slab file(s) of dead servers (namespaces {', '.join(spaces)}) hold "
+                  f"{sum(b for _, _, b in stale) / GiB:.2f} GiB of hugepages; the next server start with "
+                  "--enable-cp-shared-physical-l2-hicache on this mount reclaims them, whatever its --port")
 
 
 def check_cuda() -> Iterable[Row]:

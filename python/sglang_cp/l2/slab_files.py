@@ -9,10 +9,20 @@ whole hugepage per slab (1 GiB with 1 GiB pages), so each file's header is its n
 (field 22 of /proc/<pid>/stat) identify the owner across pid reuse. A file whose owner
 is gone is stale: it still holds its hugepages, so startup unlinks it -- its content is
 never reused, with this layout or any other, because L2 content dies with its process.
+
+Reclaim looks at every namespace, not only this server's: the namespace is the server's
+``--port``, and a server restarted on another port must still get back the hugepages of
+the one that died (they would otherwise stay taken until someone deletes the files and
+fail the new server's preflight). Liveness is two checks: the owner pid with its start
+time, and a ``flock`` the owner holds on each of its files for as long as it maps them.
+The lock is what keeps a live owner safe when its pid means nothing here (another pid
+namespace sharing the mount); the kernel drops it when the owner dies.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -109,33 +119,90 @@ def scan(directory: str) -> list[tuple[str, SlabFileName]]:
     return out
 
 
-def reclaim_stale(directory: str, namespace: str, rank: int) -> list[str]:
-    """Unlink this namespace's slab files whose owner is dead; refuse a live owner of our rank.
+def hold_owner_lock(fd: int, path: str) -> None:
+    """The owner's side: an exclusive flock on a slab file it just created, held while the fd is open."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        raise SlabOwnershipError(
+            f"slab file {path}: cannot take its owner lock ({e.strerror}); another process is reclaiming "
+            "this mount's files right now: start again") from None
 
-    Dead owners of any rank are reclaimed (a restart with fewer ranks would otherwise
-    leak the hugepages of the missing ranks forever).
+
+def _unlink_if_unlocked(path: str) -> Optional[bool]:
+    """Unlink ``path`` if no process holds its owner lock: True unlinked, False held by a live
+    owner, None already gone. The lock is taken before the unlink, so no owner loses a file it maps."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return None
+        return True
+    finally:
+        os.close(fd)
+
+
+def stale_files(directory: str) -> list[tuple[str, SlabFileName, int]]:
+    """(path, name, bytes) of every slab file on the mount whose owner is dead (any namespace):
+    what the next start reclaims. Read-only."""
+    out = []
+    for path, f in scan(directory):
+        if f.owner_alive():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live owner holds it
+            out.append((path, f, os.fstat(fd).st_blocks * 512))
+        finally:
+            os.close(fd)
+    return out
+
+
+def reclaim_stale(directory: str, namespace: str, rank: int) -> list[str]:
+    """Unlink every slab file on the mount whose owner is dead; refuse a live owner of our
+    namespace and rank.
+
+    Dead owners of any rank and any namespace are reclaimed (a restart with fewer ranks, or
+    on another --port, would otherwise leak their hugepages forever).
     """
     me = os.getpid()
     reclaimed = []
     for path, f in scan(directory):
-        if f.namespace != namespace:
-            continue
         if f.owner_alive():
-            if f.rank == rank and f.pid != me:
+            if f.namespace == namespace and f.rank == rank and f.pid != me:
                 raise SlabOwnershipError(
                     f"slab file {path} of rank {rank} belongs to live process {f.pid}: another "
                     f"server with the same namespace ({namespace!r}, i.e. the same --port) is "
                     f"running on this node; stop it or start this one with another --port"
                 )
             continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue  # another rank reclaimed it first
+        done = _unlink_if_unlocked(path)
+        if done is None:
+            continue  # another rank or server reclaimed it first
+        if done is False:
+            logger.info("sglang-cp L2: slab %s names pid %d, not alive here, but its owner lock is held "
+                        "(a live process in another pid namespace): left alone", path, f.pid)
+            continue
         reclaimed.append(path)
         logger.warning(
-            "sglang-cp L2: reclaimed stale hugepage slab %s (owner pid %d is gone; layout %s, "
+            "sglang-cp L2: reclaimed stale hugepage slab %s (owner pid %d is gone; namespace %s, layout %s, "
             "rank %d); its content is discarded, never reused",
-            path, f.pid, f.layout, f.rank,
+            path, f.pid, f.namespace, f.layout, f.rank,
         )
     return reclaimed

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from sglang_cp.l2.errors import InsufficientHugepagesError
 from sglang_cp.l2.hugetlbfs import HugetlbfsMount
+from sglang_cp.l2.slab_files import hold_owner_lock
 from sglang_cp.l2.slab_plan import SlabPlan, fmt_gb, fmt_page
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class SlabMapping:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
                 self._fds.append(fd)
                 self._created.append(path)
+                hold_owner_lock(fd, path)  # held while mapped: tells reclaimers on this mount we are alive
                 os.ftruncate(fd, slab.mapped_bytes)
                 try:
                     # A MAP_SHARED hugetlbfs mapping reserves all its pages here: no
