@@ -283,6 +283,14 @@ def emit(event) -> None:
         _events.put(("event", _rank_of_process, event))
 
 
+_POLL_S = 0.5          # how often run_ranks looks for a rank process that died
+_RESULT_GRACE_S = 2.0  # how long a dead rank's result may still be in flight in the queue
+
+
+class RankDied(RuntimeError):
+    """A rank process exited without handing back a result; the others were stopped."""
+
+
 def run_ranks(world, target, args=(), timeout=240, on_event=None):
     """Spawn ``world`` rank processes running ``target(rank, world, port, *args) -> dict``.
     ``on_event(rank, event)`` runs in the parent for every ``emit`` of a rank."""
@@ -299,13 +307,27 @@ def run_ranks(world, target, args=(), timeout=240, on_event=None):
         p.start()
     results = {}
     deadline = time.monotonic() + timeout
+    dead_since = None  # when a rank process was first seen gone without its result
     try:
         while len(results) < world:
             try:
-                msg = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                # Short waits: between them, look for a rank process that died without a result (SIGKILL,
+                # OOM, a crash in native code). Its peers are blocked in a collective it will never enter.
+                msg = q.get(timeout=max(0.01, min(_POLL_S, deadline - time.monotonic())))
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
-                                   f"within {timeout}s (hang)") from None
+                gone = {r: p.exitcode for r, p in enumerate(procs) if r not in results and p.exitcode is not None}
+                if gone:
+                    # A result put just before exit may still be in the pipe: give it one more poll.
+                    dead_since = dead_since or time.monotonic()
+                    if time.monotonic() - dead_since >= _RESULT_GRACE_S:
+                        raise RankDied("; ".join(f"rank {r} exited with code {c} without a result"
+                                                 for r, c in sorted(gone.items()))
+                                       + f"; ranks {sorted(set(range(world)) - set(results) - set(gone))} were "
+                                       "stopped (their collectives could never complete)") from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
+                                       f"within {timeout}s (hang)") from None
+                continue
             if len(msg) == 3 and msg[0] == "event":
                 if on_event is not None:
                     on_event(msg[1], msg[2])

@@ -1,0 +1,35 @@
+"""run_ranks notices a rank process that dies without a result, instead of waiting out its timeout.
+
+A killed rank (SIGKILL, the OOM killer, a crash in native code) never puts its result on the queue
+and never enters the next collective: its peers block there. Before, the parent waited for the
+full timeout (cachebench: 1800 s) and then reported a hang; now it reports the dead rank and stops
+the others. Real spawned processes; the dying rank SIGKILLs itself.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from sglang_cp.cachebench.cp_testbed import RankDied, run_ranks
+
+
+def _one_rank_dies(rank, world, port):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)  # as a peer blocked in a collective the dead rank never enters
+    return {"rank": rank}
+
+
+def _all_finish(rank, world, port):
+    return {"rank": rank}
+
+
+def test_a_rank_killed_mid_run_is_reported_and_the_others_stopped():
+    with pytest.raises(RankDied, match=r"rank 1 exited with code -9 without a result; ranks \[0\] were stopped"):
+        run_ranks(2, _one_rank_dies, timeout=120)
+
+
+def test_ranks_that_finish_are_not_mistaken_for_dead_ones():
+    assert run_ranks(3, _all_finish, timeout=120) == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
