@@ -42,6 +42,23 @@ class PhaseProgress:
             self.progress.advance(self.task, event[1])
 
 
+def _sum_causes(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
+def rel(path: str) -> str:
+    """``path`` relative to the working directory when under it: printed output names no machine's paths."""
+    try:
+        r = os.path.relpath(path)
+    except ValueError:
+        return path
+    return path if r.startswith("..") else r
+
+
 def summarize(info: dict, raw: dict, ranks: list[dict], wall: float) -> dict:
     phases = {}
     for name in PHASES:
@@ -69,6 +86,11 @@ def summarize(info: dict, raw: dict, ranks: list[dict], wall: float) -> dict:
             # prefetch_threshold replay: misses too short to look up, and agreed hits revoked as too short.
             "l3_declined_pages": sum(x.get("l3_declined", 0) for x in recs0),
             "l3_revoked_pages": sum(x.get("l3_revoked", 0) for x in recs0),
+            # Agreed hits that read short (damage found at read time, e.g. after a `load` restart): misses,
+            # not errors; causes summed over the ranks (under sharding the damaged page has one owner).
+            "l3_partial_requests": sum(1 for x in recs0 if x.get("l3_partial", 0)),
+            "l3_partial_pages": sum(x.get("l3_partial", 0) for x in recs0),
+            "l3_partial_causes": _sum_causes(x.get("l3_partial_causes", {}) for rr in per_rank for x in rr),
             "errors": sum(x["store_errors"] for rr in per_rank for x in rr) + divergent,
             "rank_divergent_requests": divergent,
             "seconds": max(sum(x["dt"] for x in rr) for rr in per_rank),
@@ -114,6 +136,12 @@ def print_table(console, result: dict) -> None:
     console.print(f"prefetch_threshold {thr} tokens (replayed as the scheduler applies it): " + (", ".join(
         f"{name} {p['l3_declined_pages']} page(s) not looked up, {p['l3_revoked_pages']} hit page(s) revoked"
         for name, p in result["phases"].items()) if thr else "off"), soft_wrap=True)
+    partial = {n: p for n, p in result["phases"].items() if p.get("l3_partial_pages")}
+    if partial:
+        console.print("partial L3 hits (agreed, then fewer pages read: dropped as misses, no wrong byte): " + ", ".join(
+            f"{n} {p['l3_partial_pages']} page(s) in {p['l3_partial_requests']} request(s), cause "
+            + (", ".join(f"{k} {v}" for k, v in p["l3_partial_causes"].items()) or "none counted")
+            for n, p in partial.items()), soft_wrap=True)
     cs = result["restart_cold_start"]
     console.print("restart: cold start 'load' found " + ", ".join(
         f"rank {i}: {c.get('live', 0)} live / {c.get('dropped', 0)} dropped" for i, c in enumerate(cs))

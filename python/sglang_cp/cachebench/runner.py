@@ -16,11 +16,16 @@ import os
 import shutil
 import time
 
-from sglang_cp.cachebench.cp_testbed import PAGE, run_ranks
+from rich.markup import escape
+
+from sglang_cp.cachebench.cp_testbed import PAGE, RankDied, run_ranks
 
 from . import rawdisk, report
+from .report import rel
 from .rank_program import run_phases
 from .workload import TraceError, WorkloadSpec, generate, read_trace, unique_pages
+
+COLD_START_MODES = ("clear", "load", "verify")  # as --cp-l3-cold-start (sglang_cp.args)
 
 KV_ROW_BYTES = (512 + 64) * 2  # GLM-5 MLA latent + rope, bf16, per token per layer
 INDEXER_ROW_BYTES, DRAFT_ROW_BYTES = 132, 656
@@ -56,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target KV only (default: with the DSA indexer-K and MTP draft KV payloads)")
     p.add_argument("--raw-mb", type=int, default=None, help="size of the raw O_DIRECT probe (MB)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds before ranks count as hung")
+    p.add_argument("--cp-l3-config", default=None, metavar="PATH",
+                   help="replay against this existing L3 config and its directories; nothing is deleted "
+                        "(default: a fresh L3 directory under --out-dir, deleted and recreated each run)")
+    p.add_argument("--cp-l3-cold-start", choices=COLD_START_MODES, default="clear",
+                   help="what the first rank processes do with pages already on disk: 'clear' (default) starts "
+                        "empty; 'load' / 'verify' replay against them (without --cp-l3-config: the L3 directory "
+                        "an earlier run left under --out-dir, kept as it is). The restart phase always uses 'load'")
     p.add_argument("--prefetch-threshold", type=int, default=256,
                    help="replay the scheduler's prefetch_threshold in tokens (upstream default 256; 0 = off): "
                         "shorter misses issue no L3 lookup, shorter agreed hits are revoked")
@@ -66,6 +78,22 @@ def _page_bytes(layers: int, sidecars: bool) -> int:
     if sidecars:
         b += PAGE * INDEXER_ROW_BYTES * layers + PAGE * DRAFT_ROW_BYTES
     return b
+
+
+def _existing_l3_config(ns) -> str:
+    """The L3 config to replay against without deleting anything (--cp-l3-config, or a non-clear cold
+    start on the directory an earlier run left under --out-dir); ValueError names the flag and the fix."""
+    from sglang_cp.l3 import L3ConfigError, load_l3_config
+
+    path = ns.cp_l3_config or os.path.join(ns.out_dir, "l3", "l3.toml")
+    if not ns.cp_l3_config and not os.path.isfile(path):
+        raise ValueError(f"--cp-l3-cold-start {ns.cp_l3_cold_start}: no L3 directory from an earlier run at "
+                         f"{rel(os.path.dirname(path))}; run once with the default 'clear', or pass --cp-l3-config")
+    try:
+        load_l3_config(path)
+    except L3ConfigError as e:
+        raise ValueError(f"--cp-l3-config {path}: {e}") from None
+    return os.path.abspath(path)
 
 
 def _l3_config(root: str, need_bytes: int) -> str:
@@ -104,13 +132,16 @@ def run(ns) -> int:
         if l2_pages < max_req:
             raise ValueError(f"--l2-pages: {l2_pages} cannot hold the longest request ({max_req} pages); "
                              f"use at least {max_req}")
+        reuse = ns.cp_l3_config is not None or ns.cp_l3_cold_start != "clear"
+        cfg = _existing_l3_config(ns) if reuse else None
     except (TraceError, ValueError) as e:
         console.print(f"[bold red]cachebench: {e}[/]", soft_wrap=True)
         return 2
     sidecars = not ns.no_sidecars
     page_bytes = _page_bytes(layers, sidecars)
     os.makedirs(ns.out_dir, exist_ok=True)
-    cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), working * (page_bytes + 3 * 4096))
+    if cfg is None:
+        cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), working * (page_bytes + 3 * 4096))
     host_pages = l2_pages + max_req + 1
 
     split = max(1, len(requests) // 5)
@@ -118,25 +149,40 @@ def run(ns) -> int:
     info = {"cp_size": ns.cp_size, "sharded": ns.cp_size > 1, "layers": layers, "sidecars": sidecars,
             "requests": len(requests), "working_set_pages": working, "l2_pages": l2_pages,
             "logical_page_bytes": page_bytes, "max_request_pages": max_req, "l3_config": cfg,
-            "trace": ns.trace, "quick": ns.quick, "prefetch_threshold": ns.prefetch_threshold}
+            "trace": ns.trace, "quick": ns.quick, "prefetch_threshold": ns.prefetch_threshold,
+            "cold_start": ns.cp_l3_cold_start, "l3_reused": reuse}
     console.print(f"cachebench: {ns.cp_size} rank(s){' sharded' if ns.cp_size > 1 else ''}, {len(requests)} "
                   f"requests, working set {working} pages ({working * page_bytes / 1e9:.2f} GB), "
-                  f"L2 {l2_pages} pages, {layers} layers, L3 config {cfg}", soft_wrap=True)
+                  f"L2 {l2_pages} pages, {layers} layers, L3 config {rel(cfg)}"
+                  + (f" (reused as it is, cold start '{ns.cp_l3_cold_start}')" if reuse else ""), soft_wrap=True)
 
     raw_bytes = (ns.raw_mb or min(512, max(64, int(working * page_bytes / ns.cp_size / 1e6)))) * 10**6
     with console.status("measuring the raw disk (O_DIRECT, same directory)"):
-        raw = rawdisk.measure(os.path.dirname(cfg), raw_bytes)
+        from sglang_cp.l3 import load_l3_config
+
+        raw = rawdisk.measure(load_l3_config(cfg).disks[0].path, raw_bytes)
     console.print(f"raw disk: write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
                   f"({raw['bytes'] / 1e6:.0f} MB, 1 MiB O_DIRECT x {raw['threads']})", soft_wrap=True)
 
     logs = os.path.join(os.path.abspath(ns.out_dir), "rank{rank}.log")
     for r in range(ns.cp_size):
         open(logs.format(rank=r), "w").close()
-    console.print(f"rank logs: {logs.format(rank='N')}", soft_wrap=True)
+    console.print(f"rank logs: {rel(logs.format(rank='N'))}", soft_wrap=True)
     t0 = time.time()
+    try:
+        first, second = _run_both(ns, console, cfg, phases, requests, l2_pages, layers, host_pages, sidecars, logs)
+    except (RankDied, TimeoutError) as e:
+        console.print(f"[bold red]cachebench: {escape(str(e))}[/] (rank logs: {escape(rel(logs.format(rank='N')))})",
+                      soft_wrap=True)
+        return 1
+    wall = time.time() - t0
+    return _finish(ns, console, info, raw, first, second, wall)
+
+
+def _run_both(ns, console, cfg, phases, requests, l2_pages, layers, host_pages, sidecars, logs):
     with report.PhaseProgress(console) as progress:
         first = run_ranks(ns.cp_size, run_phases,
-                          (cfg, phases, l2_pages, layers, "clear", host_pages, sidecars, logs,
+                          (cfg, phases, l2_pages, layers, ns.cp_l3_cold_start, host_pages, sidecars, logs,
                            ns.prefetch_threshold),
                           timeout=ns.timeout, on_event=progress.on_event)
         progress.note("restart: all ranks exit; new processes, --cp-l3-cold-start load")
@@ -144,15 +190,18 @@ def run(ns) -> int:
                            (cfg, [("restart", requests)], l2_pages, layers, "load", host_pages, sidecars, logs,
                             ns.prefetch_threshold),
                            timeout=ns.timeout, on_event=progress.on_event)
-    wall = time.time() - t0
+    return first, second
+
+
+def _finish(ns, console, info, raw, first, second, wall) -> int:
     ranks = [dict(a, records=a["records"] + b["records"], errors=a["errors"] + b["errors"],
                   restart_cold_start=b["cold_start"], counters_after_restart=b["counters"],
                   occupancy_after_restart=b["occupancy"]) for a, b in zip(first, second)]
     result = report.summarize(info, raw, ranks, wall)
     report.print_table(console, result)
     paths = report.write_outputs(ns.out_dir, result, ranks)
-    console.print(f"wrote {paths['json']} and {paths['png']}", soft_wrap=True)
+    console.print(f"wrote {rel(paths['json'])} and {rel(paths['png'])}", soft_wrap=True)
     if result["errors"]:
-        console.print(f"[bold red]{result['errors']} error(s)[/]: " + "; ".join(result["error_samples"]))
+        console.print(f"[bold red]{result['errors']} error(s)[/]: " + escape("; ".join(result["error_samples"])))
         return 1
     return 0
