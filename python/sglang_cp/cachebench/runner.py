@@ -81,8 +81,9 @@ def _page_bytes(layers: int, sidecars: bool) -> int:
 
 
 def _existing_l3_config(ns) -> str:
-    """The L3 config to replay against without deleting anything (--cp-l3-config, or a non-clear cold
-    start on the directory an earlier run left under --out-dir); ValueError names the flag and the fix."""
+    """(config path, first disk's directory) to replay against without deleting anything (--cp-l3-config,
+    or a non-clear cold start on the directory an earlier run left under --out-dir); ValueError names the
+    flag and the fix."""
     from sglang_cp.l3 import L3ConfigError, load_l3_config
 
     path = ns.cp_l3_config or os.path.join(ns.out_dir, "l3", "l3.toml")
@@ -90,10 +91,10 @@ def _existing_l3_config(ns) -> str:
         raise ValueError(f"--cp-l3-cold-start {ns.cp_l3_cold_start}: no L3 directory from an earlier run at "
                          f"{rel(os.path.dirname(path))}; run once with the default 'clear', or pass --cp-l3-config")
     try:
-        load_l3_config(path)
+        cfg = load_l3_config(path)
     except L3ConfigError as e:
         raise ValueError(f"--cp-l3-config {path}: {e}") from None
-    return os.path.abspath(path)
+    return os.path.abspath(path), cfg.disks[0].path
 
 
 def _l3_config(root: str, need_bytes: int) -> str:
@@ -133,7 +134,7 @@ def run(ns) -> int:
             raise ValueError(f"--l2-pages: {l2_pages} cannot hold the longest request ({max_req} pages); "
                              f"use at least {max_req}")
         reuse = ns.cp_l3_config is not None or ns.cp_l3_cold_start != "clear"
-        cfg = _existing_l3_config(ns) if reuse else None
+        cfg, disk_dir = _existing_l3_config(ns) if reuse else (None, None)
     except (TraceError, ValueError) as e:
         console.print(f"[bold red]cachebench: {e}[/]", soft_wrap=True)
         return 2
@@ -142,6 +143,7 @@ def run(ns) -> int:
     os.makedirs(ns.out_dir, exist_ok=True)
     if cfg is None:
         cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), working * (page_bytes + 3 * 4096))
+        disk_dir = os.path.dirname(cfg)
     host_pages = l2_pages + max_req + 1
 
     split = max(1, len(requests) // 5)
@@ -158,9 +160,7 @@ def run(ns) -> int:
 
     raw_bytes = (ns.raw_mb or min(512, max(64, int(working * page_bytes / ns.cp_size / 1e6)))) * 10**6
     with console.status("measuring the raw disk (O_DIRECT, same directory)"):
-        from sglang_cp.l3 import load_l3_config
-
-        raw = rawdisk.measure(load_l3_config(cfg).disks[0].path, raw_bytes)
+        raw = rawdisk.measure(disk_dir, raw_bytes)
     console.print(f"raw disk: write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
                   f"({raw['bytes'] / 1e6:.0f} MB, 1 MiB O_DIRECT x {raw['threads']})", soft_wrap=True)
 
