@@ -132,6 +132,8 @@ class L3Store:
             self._by_tag = {pool.tag: pool for pool in self._pools.values()}
             if len(self._by_tag) != len(self._pools):
                 raise L3StartupError("payloads: two payload names hash to the same tag; rename one")
+            # Allocated before cold start: a failure here must not follow a 'clear' that wiped the index.
+            self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
             try:
                 cold_start_result = cold_start_fn(cold_start, self._index, rank, self._by_tag, config.io.threads)
             except (IndexFull, IndexUnavailable) as e:
@@ -141,6 +143,8 @@ class L3Store:
             for pool in self._pools.values():
                 pool.slab.close()
             self._index.close()
+            if hasattr(self, "_staging"):
+                self._staging.close()
             self._release_locks()
             raise
         self._cold_start = cold_start_result
@@ -149,7 +153,6 @@ class L3Store:
 
         self._gc = {p: WatermarkPolicy(config.gc.high_watermark, config.gc.low_watermark,
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
-        self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
         self._read_permits = max(config.io.max_inflight_pages, config.io.threads)
         self._read_slots = Tokens(self._read_permits)
         self._bounce = BounceBuffers()
