@@ -151,7 +151,7 @@ def check_l3_config(path: str) -> Iterable[Row]:
         st = os.statvfs(disk.path)
         free = st.f_bavail * st.f_frsize
         need = int(disk.capacity_bytes)
-        reusable, stale = _slab_space(disk.path)
+        reusable, stale = _slab_space(cfg.slab_dir(disk.path))
         have = free + min(reusable, need)  # the store reopens its slabs in place, never beyond capacity
         status = OK if have >= need else FAIL
         fix = "" if status == OK else "; lower capacity_gb or free space"
@@ -171,15 +171,16 @@ def check_l3_config(path: str) -> Iterable[Row]:
         yield from _plp_rows(disk.name, disk.path, cfg.plp_policy)
 
 
-def _slab_space(directory: str) -> tuple[int, list[tuple[str, int, str]]]:
-    """(bytes of the slab files a store would reopen in place, [(path, bytes, why)] of stale ones).
+def _slab_space(sub: str) -> tuple[int, list[tuple[str, int, str]]]:
+    """(bytes of the slab files a store would reopen in place, [(path, bytes, why)] of stale ones) in the
+    config's slab directory ``sub`` (``<disk>/sglang-cp-l3[/ns-<namespace>]``).
 
-    The store opens ``<disk>/sglang-cp-l3/r<rank>.<payload>.s<slot bytes>.slab``: one file per rank and
-    payload. Another slot size of the same rank and payload (left by an earlier config) is never reopened,
-    nor is a file only named like a slab; of several, the most recently written is the one in use."""
-    from sglang_cp.l3.fsck import SLAB_NAME, SLAB_SUBDIR
+    The store opens ``r<rank>.<payload>.s<slot bytes>.slab`` there: one file per rank and payload. Another
+    slot size of the same rank and payload (left by an earlier config) is never reopened, nor is a file
+    only named like a slab; of several, the most recently written is the one in use. Other namespaces'
+    files are other servers': neither reusable nor stale here."""
+    from sglang_cp.l3.fsck import SLAB_NAME
 
-    sub = os.path.join(directory, SLAB_SUBDIR)
     try:
         names = os.listdir(sub)
     except OSError:

@@ -32,7 +32,7 @@ def _written(root, capacity_gb=0.05):
     with L3Store(cfg, rank=0, ranks_per_node=1, payloads={"kv": PAGE_BYTES}) as s:
         assert all(s.write_pages("kv", [b"a", b"b"], [np.full(PAGE_BYTES, i, np.uint8) for i in (1, 2)],
                                  timeout=60))
-    return cfg_path, cfg, os.path.join(cfg.disks[0].path, fsck.SLAB_SUBDIR)
+    return cfg_path, cfg, cfg.slab_dir(cfg.disks[0].path)
 
 
 def test_fsck_reports_a_stray_slab_name_and_stays_clean(disk_tmp):
