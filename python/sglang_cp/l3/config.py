@@ -32,7 +32,7 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")
 BACKUP_ACKS = ("durable", "written")
 # Upper bounds, so an absurd value is a config error naming the field instead of an OverflowError or an
-# allocation failure after the store already acted (cold start 'clear' runs before staging is built).
+# allocation failure at store open.
 MAX_DISK_BYTES = 2**62            # a slab is one file: its size must be a valid off_t with room to spare
 MAX_MAP_BYTES = 2**46             # LMDB maps the whole map: 64 TiB is half of x86-64 user address space
 MAX_INFLIGHT_PAGES = 65536        # staging holds this many slot images per payload, allocated at open
