@@ -32,7 +32,7 @@ def write_demo_config(root: str, capacity_gb: float = 1.0) -> str:
     """The embedded default L3 config under ``root`` (slabs are preallocated to capacity_gb)."""
     root = os.path.abspath(root)
     for sub in ("index", "disk0"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
+        os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
     path = os.path.join(root, "l3.toml")
     with open(path, "w") as f:
         f.write(DEMO_CONFIG.format(root=root, capacity_gb=capacity_gb))

@@ -29,6 +29,9 @@ COUNTERS = {
     "crc_errors": ("cp_l3_crc_errors_total", "L3 pages dropped because their payload CRC did not match."),
     "header_errors": ("cp_l3_header_errors_total", "L3 pages dropped because their header did not parse."),
     "mapfull": ("cp_l3_index_mapfull_total", "LMDB MapFull events (index grown or write failed soft)."),
+    "read_timeouts": ("cp_l3_read_timeouts_total", "L3 page reads not done within their bound (a miss; a stalled drive)."),
+    "write_timeouts": ("cp_l3_write_timeouts_total", "L3 page writes not durable within their bound (reported not written)."),
+    "clear_errors": ("cp_l3_clear_errors_total", "Runtime clears that failed in the index (the store keeps serving)."),
 }
 GAUGES = {
     "used_slots": ("cp_l3_used_slots", "L3 slots in use, per payload."),

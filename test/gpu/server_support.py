@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (real-server tests)", allow_module_level=True)
 
-from sglang_cp.cli import write_demo_config  # noqa: E402
+from sglang_cp.demo_config import write_demo_config  # noqa: E402
 from sglang_cp.server_process import ServerProcess  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

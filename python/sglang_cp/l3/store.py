@@ -134,6 +134,8 @@ class L3Store:
                 raise L3StartupError("payloads: two payload names hash to the same tag; rename one")
             # Allocated before cold start: a failure here must not follow a 'clear' that wiped the index.
             self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
+            self._landing_free = {p.name: [memoryview(aligned_buffer(_landing_bytes(p), populate=True, huge=True))
+                                           for _ in range(config.io.threads)] for p in self._pools.values()}
             try:
                 cold_start_result = cold_start_fn(cold_start, self._index, rank, self._by_tag, config.io.threads)
             except (IndexFull, IndexUnavailable) as e:
@@ -156,12 +158,11 @@ class L3Store:
         self._read_permits = max(config.io.max_inflight_pages, config.io.threads)
         self._read_slots = Tokens(self._read_permits)
         self._bounce = BounceBuffers()
-        # Where reads land before they are copied out: one area per read I/O thread and payload, faulted
-        # in at open (first touch is slow on VMs) and handed to a thread on its first read.
+        # Where reads land before they are copied out (self._landing_free, allocated with staging before
+        # cold start): one area per read I/O thread and payload, faulted in at open (first touch is slow
+        # on VMs) and handed to a thread on its first read.
         self._landing_tls = threading.local()
         self._landing_lock = threading.Lock()
-        self._landing_free = {p.name: [memoryview(aligned_buffer(_landing_bytes(p), populate=True, huge=True))
-                                       for _ in range(config.io.threads)] for p in self._pools.values()}
         self._op_ids = itertools.count(1)
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
