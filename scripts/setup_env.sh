@@ -61,6 +61,15 @@ step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
   echo "[setup] $label: done in $((SECONDS - s)) s"
 }
 
+# A C compiler: the crash test's power-loss model builds a small LD_PRELOAD shim.
+if ! command -v cc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] cc: installing gcc (apt-get)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null
+  fi
+  command -v cc >/dev/null 2>&1 || { echo "[setup] need a C compiler (cc) for the power-loss tests: install gcc"; exit 1; }
+fi
+
 step "torch" torch==2.14.1 torchvision==0.29.1
 step "sglang (no deps)" --no-deps sglang==0.5.23
 step "sglang's pure-Python imports" --constraint="$CONSTRAINTS" \
