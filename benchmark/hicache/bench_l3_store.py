@@ -8,7 +8,9 @@ on CPU; pool A holds random data, pool B receives every read, and every read is 
              the store's parallelism), one fdatasync (timed); cold O_DIRECT preadv into pool B.
   ours       L3Store.submit_write pipeline (to the last DURABLE ack); read_pages in batches of 128 pages.
   ours-sync128    write_pages per 128-page batch, each waiting for DURABLE (durability.backup_ack =
-             "durable", the default), the way upstream's storage thread calls batch_set_v1.
+             "durable", the default), the way upstream's storage thread calls batch_set_v1 through our
+             backend: with the backend's write bound (WRITE_TIMEOUT_S), so pages are copied into the
+             store's staging first and the caller's memory is free when the call returns.
   ours-written128 the same calls under durability.backup_ack = "written": each returns once its pages
              are written; "ack" = the last call returned (what upstream's backup thread waits),
              "durable write" = until every page is durable (index committed).
@@ -43,6 +45,7 @@ from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # noqa: E402  (the backend's write bound)
 from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
@@ -158,7 +161,8 @@ def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):  # noqa: C90
         t_ack = None
         if mode in ("sync128", "written128"):
             for s in range(0, n, BATCH):
-                ok = store.write_pages("kv", keys[s:s + BATCH], [page_np(a, i) for i in range(s, min(n, s + BATCH))])
+                ok = store.write_pages("kv", keys[s:s + BATCH], [page_np(a, i) for i in range(s, min(n, s + BATCH))],
+                                       timeout=WRITE_TIMEOUT_S)
                 assert all(ok), "ours: write failed"
                 progress.advance(task, len(ok))
             t_ack = time.perf_counter() - t0
