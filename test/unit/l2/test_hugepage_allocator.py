@@ -4,7 +4,6 @@ import gc
 import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -14,6 +13,7 @@ from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config, slab
 from sglang_cp.l2.errors import InsufficientHugepagesError, NotHugetlbfsError, SlabOwnershipError
 from sglang_cp.l2.hugetlbfs import HUGETLBFS_MAGIC, HugetlbfsMount, statfs_type
 from sglang_cp.l2.slab_files import SlabFileName, scan
+from slab_owner import slab_owner as _child
 
 MiB = 1 << 20
 HP = 2 * MiB
@@ -123,24 +123,6 @@ def test_insufficient_hugepages_fails_before_any_file(hugetlbfs_limited):
     assert os.listdir(hugetlbfs_limited) == []
 
 
-CHILD = textwrap.dedent(
-    """
-    import os, sys, time, torch
-    from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config
-    a = HugepageHostAllocator(HugepageL2Config(sys.argv[1], 480, sys.argv[2], 0))
-    t = a.allocate((2, 64 * 32, 1, 576), torch.bfloat16, label="kv-mla", layout="layer_first",
-                   unit_bytes=64 * 576 * 2)
-    print("ready", flush=True)
-    if sys.argv[3] == "crash":
-        os._exit(9)  # no cleanup, as after SIGKILL
-    time.sleep(120)
-    """
-)
-
-
-def _child(directory, namespace, mode):
-    return subprocess.Popen([sys.executable, "-c", CHILD, directory, namespace, mode],
-                            stdout=subprocess.PIPE, text=True)
 
 
 def test_stale_files_of_a_crashed_run_are_reclaimed(hugetlbfs_dir):

@@ -12,30 +12,11 @@ import fcntl
 import os
 import subprocess
 import sys
-import textwrap
 
 from sglang_cp import doctor
 from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config
 from sglang_cp.l2.slab_files import SlabFileName, scan, stale_files
-
-CHILD = textwrap.dedent(
-    """
-    import os, sys, time, torch
-    from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config
-    a = HugepageHostAllocator(HugepageL2Config(sys.argv[1], 480, sys.argv[2], 0))
-    t = a.allocate((2, 64 * 32, 1, 576), torch.bfloat16, label="kv-mla", layout="layer_first",
-                   unit_bytes=64 * 576 * 2)
-    print("ready", flush=True)
-    if sys.argv[3] == "crash":
-        os._exit(9)  # no cleanup, as after SIGKILL
-    time.sleep(120)
-    """
-)
-
-
-def _child(directory, namespace, mode):
-    return subprocess.Popen([sys.executable, "-c", CHILD, directory, namespace, mode], stdout=subprocess.PIPE,
-                            text=True)
+from slab_owner import slab_owner as _child
 
 
 def test_a_server_on_another_port_reclaims_a_dead_servers_slabs(hugetlbfs_dir):
