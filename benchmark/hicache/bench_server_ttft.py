@@ -199,7 +199,7 @@ def summarize(res: dict) -> list:
         l2 = pick("l2", lambda r: r["host"] >= 0.9 * cached)
         l3 = pick("l3", lambda r: r["storage"] >= 0.9 * cached)
         floors = [r for r in res["rows"]["device"] if r["tokens"] == L]
-        rates, raw_ratio = [], []
+        rates = []
         for r, f in zip([r for r in res["rows"]["l3"] if r["tokens"] == L], floors):
             if r["storage"] >= 0.9 * cached and r["reload_bytes"] > 0:
                 t = max(1e-6, r["ttft_s"] - f["ttft_s"])

@@ -2,9 +2,6 @@
 
 import gc
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch

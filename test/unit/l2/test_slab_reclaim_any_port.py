@@ -10,8 +10,6 @@ Real hugetlbfs (see conftest.py), real child processes.
 
 import fcntl
 import os
-import subprocess
-import sys
 
 from sglang_cp import doctor
 from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config
