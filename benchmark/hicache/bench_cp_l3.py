@@ -43,15 +43,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "test", "integration"))
 
 from cp_harness import PAGE, Rank, run_ranks  # noqa: E402
 
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 
 
 def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start):

@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
 from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme  # noqa: E402
+from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
 from sglang_cp.l3.blob import payload_tag  # noqa: E402
 from sglang_cp.l3.index import IndexEntry, SharedIndex  # noqa: E402
@@ -47,16 +48,6 @@ PAYLOADS = {"kv": 4096, "indexer": 4096}
 BIG = 1 << 20  # spill/reload pages (a second store, rank 1, on its own directory)
 QUERY_KEYS = 16384
 BATCH = 128
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def build(index, n: int, seed: int) -> float:

@@ -46,22 +46,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # 
 from rich.table import Table  # noqa: E402
 
 from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # noqa: E402  (the backend's write bound)
+from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
 PAGE_TOKENS = 64
 console = Console(width=230)
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def syncfs(path: str) -> None:

@@ -20,6 +20,7 @@ import sys
 import textwrap
 
 from sglang_cp.demo_config import DEMO_CONFIG, write_demo_config  # noqa: F401 (public here too)
+from sglang_cp.display import rel
 
 
 def escape(text: str) -> str:
@@ -27,15 +28,6 @@ def escape(text: str) -> str:
     from rich.markup import escape as _escape
 
     return _escape(text)
-
-
-def _rel(path: str) -> str:
-    """``path`` relative to the working directory when it lies under it (output stays machine-neutral)."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
 
 
 def _cmd_doctor(ns) -> int:
@@ -251,7 +243,7 @@ def _cmd_l3_fsck(ns) -> int:
         if rep.cleared_after_delete:
             console.print(f"cleared the headers of {rep.cleared_after_delete} slot(s) whose entries were deleted")
         for f in [f for f in rep.findings if f.kind != "orphan"][:20]:
-            slab = _rel(f.slab) if f.slab else ""
+            slab = rel(f.slab) if f.slab else ""
             where = slab if f.kind == "stray" else f"rank {f.rank} slot {f.slot} {slab}"
             console.print(escape(f"  {f.kind}: {where}: {f.detail}"))
     if rep.problems() == 0:

@@ -17,6 +17,17 @@ from sglang_cp.l3.aligned import aligned_buffer
 BLOCK = 1 << 20
 
 
+def drop_caches() -> bool:
+    """Flush and drop the page cache, so the next read is cold; False where that is not allowed (not root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def measure(directory: str, nbytes: int, threads: int = 4) -> dict:
     n = max(1, nbytes // BLOCK)
     path = os.path.join(directory, f".cachebench-raw-{os.getpid()}")

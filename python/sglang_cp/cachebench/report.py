@@ -50,15 +50,6 @@ def _sum_causes(dicts) -> dict:
     return dict(sorted(out.items()))
 
 
-def rel(path: str) -> str:
-    """``path`` relative to the working directory when under it: printed output names no machine's paths."""
-    try:
-        r = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if r.startswith("..") else r
-
-
 def summarize(info: dict, raw: dict, ranks: list[dict], wall: float) -> dict:
     phases = {}
     for name in PHASES:

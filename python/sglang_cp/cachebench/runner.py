@@ -19,9 +19,9 @@ import time
 from rich.markup import escape
 
 from sglang_cp.cachebench.cp_testbed import PAGE, RankDied, run_ranks
+from sglang_cp.display import rel
 
 from . import rawdisk, report
-from .report import rel
 from .rank_program import run_phases
 from .workload import TraceError, WorkloadSpec, generate, read_trace, unique_pages
 
