@@ -118,8 +118,10 @@ def _run(mode: str) -> dict:
         capture_output=True, text=True, env=env, cwd=REPO, timeout=240,
     )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("CHAIN ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("CHAIN "):])
+    assert lines, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    got = json.loads(lines[-1][len("CHAIN "):])
+    assert "_error" not in got, f"the {mode!r} child failed:\n{got['_error']}\n{proc.stderr[-2000:]}"
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -152,4 +154,12 @@ def test_plugin_leaves_well_formed_pages_byte_exact(results):
 
 
 if __name__ == "__main__":
-    print("CHAIN " + json.dumps(_chain(sys.argv[1])))
+    # Report a failure of the child as data: each test then shows which step broke and how
+    # (the traceback), instead of only the fixture's "rc=1".
+    try:
+        print("CHAIN " + json.dumps(_chain(sys.argv[1])))
+    except BaseException:
+        import traceback
+
+        print("CHAIN " + json.dumps({"_error": traceback.format_exc()[-4000:]}))
+        raise

@@ -5,6 +5,7 @@ with a clear message, covered by test/unit/seed_parity)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -23,11 +24,18 @@ pytestmark = [
 
 
 def test_megamoe_forces_ep_size_to_tp_size():
+    from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.server_args import prepare_server_args
 
+    # A real MoE config (DeepseekV3, 8 routed experts). With "--model-path dummy"
+    # the H200 run resolved ep_size to 1: no model, no MoE layers to size.
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "tiny-dsv3")
     args = prepare_server_args(
-        ["--model-path", "dummy", "--moe-a2a-backend", "megamoe", "--tp-size", "8"]
+        ["--model-path", model, "--load-format", "dummy", "--moe-a2a-backend", "megamoe", "--tp-size", "8"]
     )
     args.resolve_once()
-    assert args.moe_a2a_backend == "megamoe"
-    assert args.ep_size == args.tp_size == 8
+    # 0.5.23 resolves through declared overrides: the raw record keeps the input
+    # (ep_size 1), the resolved view carries what the server runs with.
+    cfg = resolved_view(args)
+    assert cfg.moe_a2a_backend == "megamoe"
+    assert cfg.ep_size == cfg.tp_size == 8

@@ -43,7 +43,7 @@ def _prefill(model, cfg, cold, root, tag, bootstrap_port):
     return ServerProcess(
         MODELS[model], log_path=os.path.join(root, f"{tag}.log"), attention_backend="fa3",
         mem_fraction_static=0.35, startup_timeout_s=600,
-        extra_args=["--tp", "2", "--enable-prefill-cp", "--attn-cp-size", "2", "--cp-strategy", "interleave",
+        extra_args=["--tp", "2", "--enable-prefill-cp", "--attn-cp-size", "2", "--cp-strategy", "zigzag",
                     "--enable-kv-cache-sharding", "--chunked-prefill-size", "4096",
                     "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
                     *PD, *l3_flags(cfg, cold), "--cp-hicache-placement-assert"])
