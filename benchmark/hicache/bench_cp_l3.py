@@ -23,7 +23,8 @@ against the disk's own in that run.
 devices: each rank's slab and I/O on its own filesystem; the index stays under --dir), with
 its own raw row over the same two directories.
 
-    python benchmark/hicache/bench_cp_l3.py [--pages 64] [--layers 78] [--reps 3] [--quick] [--disks A,B]
+    python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
+        [--backup-ack durable|written|both] [--phases]
 """
 
 from __future__ import annotations
@@ -46,20 +47,92 @@ from cp_harness import PAGE, Rank, run_ranks  # noqa: E402
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 
 
-def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start):
+class PhaseProbes:
+    """``--phases``: timestamps (CLOCK_MONOTONIC, comparable across the rank processes) of every step
+    a backup takes through our backend, recorded by wrapping the objects of this rank's store in
+    place; the store's code is unchanged. Events: (phase, start, end) relative to the backup's t0."""
+
+    def __init__(self, r):
+        self.events = []
+        store = r.backend.store
+        ev = self.events
+
+        def timed(obj, attr, phase):
+            fn = getattr(obj, attr)
+
+            def wrapper(*a, **kw):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    ev.append((phase, t, time.perf_counter()))
+            setattr(obj, attr, wrapper)
+        timed(r.backend, "_set", "backend_set")
+        timed(store, "_submit_write", "submit")          # index lookup + staging copy + hand-over
+        timed(store._index, "get_many", "index_lookup")
+        for pool in store._pools.values():
+            timed(pool.slab, "write_slots", "pwrite")
+            timed(pool.slab, "write_slot", "pwrite")
+            timed(pool.slab, "sync", "fdatasync")
+            timed(pool, "seal_image", "crc_seal")
+            timed(pool, "seal_zero_copy", "crc_seal")
+        timed(store._index, "commit", "index_commit")     # LMDB writer-lock wait + txn + its flushes
+        index = store._index
+
+        class TimedEnv:  # the LMDB writer lock is taken in begin(write=True)
+            def __init__(self, env):
+                self._env = env
+
+            def begin(self, write=False, **kw):
+                t = time.perf_counter()
+                txn = self._env.begin(write=write, **kw)
+                if write:
+                    ev.append(("lmdb_lock_wait", t, time.perf_counter()))
+                return txn
+
+            def __getattr__(self, name):
+                return getattr(self._env, name)
+        if not isinstance(index.env, TimedEnv):
+            index.env = TimedEnv(index.env)
+
+    def report(self, t0, t_ack):
+        """Per phase: first start, last end (s after t0), busy sum and count."""
+        out = {}
+        for phase, a, b in self.events:
+            d = out.setdefault(phase, {"first": a - t0, "last": b - t0, "sum": 0.0, "n": 0})
+            d["first"] = min(d["first"], a - t0)
+            d["last"] = max(d["last"], b - t0)
+            d["sum"] += b - a
+            d["n"] += 1
+        out["upstream_ack"] = {"first": t_ack, "last": t_ack, "sum": 0.0, "n": 1}
+        self.events.clear()
+        return out
+
+
+def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,
+               phases=False):
     from cp_scenarios import tokens_for
 
-    r = Rank(rank, world, port, l3_config, sharded=sharded, layers=layers, host_pages=n_pages + 8,
+    # Under sharding a rank's host (and device) pool holds its own stripe; logical capacity is x world.
+    host_pages = (-(-n_pages // world) if sharded else n_pages) + 8
+    r = Rank(rank, world, port, l3_config, sharded=sharded, layers=layers, host_pages=host_pages,
              backend=backend, file_dir=file_dir, cold_start=cold_start)
+    probes = PhaseProbes(r) if phases and backend == "cp_l3" else None
     try:
         tokens = tokens_for(n_pages, seed=42)
         hi = r.alloc_host(n_pages * PAGE, start_owner=0)
         r.fill(hi, n_pages)
         owned = sum(1 for i in range(n_pages) if r.owner_of_page_start(int(hi[i * PAGE])) == rank) \
             if sharded else n_pages
+        # The page hashes come from the radix tree (computed at insert), not from the backup path; the
+        # first hash in a process also loads upstream's hash extension (~0.1-0.2 s once), which the
+        # timed backup must not include.
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
         r.dist.barrier()
         t0 = time.perf_counter()
-        backed = r.backup(tokens, hi, timeout=600)
+        backed = r.backup(tokens, hi, timeout=600, hashes=hashes)
         t_ack = time.perf_counter() - t0
         if backend == "file":
             fd = os.open(file_dir, os.O_RDONLY)
@@ -68,6 +141,7 @@ def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages
             finally:
                 os.close(fd)
         t_write = time.perf_counter() - t0
+        phase_report = probes.report(t0, t_ack) if probes is not None else None
         r.group.free(hi)
         r.zero_host()
         r.dist.barrier()
@@ -82,7 +156,7 @@ def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         return {"rank": rank, "owned_pages": owned, "page_bytes": r.page_nbytes, "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "hit": hit, "completed": completed,
-                "checked": checked, "equal": equal, "dropped": dropped}
+                "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report}
     finally:
         r.close()
 
@@ -103,12 +177,12 @@ def open_raw(path: str, size: int) -> int:
     return fd
 
 
-def run_raw(world, dirs, args):
+def run_raw(world, dirs, args, pages):
     """`world` writers on `dirs` (writer i on dirs[i % len]): times of the slowest, per rep."""
     import numpy as np
 
     nbytes = page_nbytes(args.layers)
-    n_pages = -(-args.pages // world)  # pages each rank owns (sharded) or all of them (world 1)
+    n_pages = -(-pages // world)  # pages each rank owns (sharded) or all of them (world 1)
     raw_buf = np.empty(nbytes + 4096, np.uint8)
     src = raw_buf[(-raw_buf.ctypes.data) % 4096:][:nbytes]
     src[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -174,14 +248,14 @@ capacity_gb = {capacity_gb}
 """
 
 
-def run_config(name, backend, world, sharded, args, workdir, disks=None):
+def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable"):
     from sglang_cp.cli import write_demo_config
 
     results = []
     for rep in range(args.reps):
         root = tempfile.mkdtemp(dir=workdir, prefix=f"{name.replace(' ', '_').replace(',', '')}-{rep}-")
         # Room for the workload (slabs are preallocated to the capacity).
-        need_gb = round(2.5 * args.pages * args.layers * PAGE * 1152 / 1e9 + 0.5, 2)
+        need_gb = round(2.5 * pages * args.layers * PAGE * 1152 / 1e9 + 0.5, 2)
         if disks:
             subs = [tempfile.mkdtemp(dir=x, prefix="bench-cp-l3-") for x in disks]
             os.makedirs(os.path.join(root, "l3", "index"))
@@ -192,12 +266,18 @@ def run_config(name, backend, world, sharded, args, workdir, disks=None):
         else:
             subs = []
             cfg = write_demo_config(os.path.join(root, "l3"), capacity_gb=need_gb)
+        if ack != "durable":  # durability.backup_ack (docs_internal/l3_write_ack.md)
+            with open(cfg) as f:
+                text = f.read()
+            assert "[durability]\n" in text, cfg
+            with open(cfg, "w") as f:
+                f.write(text.replace("[durability]\n", f'[durability]\nbackup_ack = "{ack}"\n', 1))
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
-        res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, args.pages, args.layers, "clear"),
-                        timeout=1200)
+        res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
+                                            args.phases), timeout=1200)
         for r in res:
-            if r["equal"] != r["checked"] or r["completed"] != args.pages * PAGE:
+            if r["equal"] != r["checked"] or r["completed"] != pages * PAGE:
                 raise SystemExit(f"{name}: data check failed on rank {r['rank']}: {r}")
         results.append(res)
         shutil.rmtree(root, ignore_errors=True)
@@ -216,16 +296,52 @@ def summarize(name, results):
     wgb = [b / t / 1e9 for b, t in zip(per_rank_bytes, w)]
     rgb = [b / t / 1e9 for b, t in zip(per_rank_bytes, rd)]
     node_bytes = [sum(r["owned_pages"] * r["page_bytes"] for r in rep) for rep in results]
-    return {"name": name, "write_s": med(w), "read_s": med(rd), "write_gbps_rank": med(wgb),
-            "read_gbps_rank": med(rgb), "bytes_rank": per_rank_bytes[0], "world": len(results[0]),
-            "node_write_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, w)]),
-            "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
-            "dropped": all(r["dropped"] for rep in results for r in rep if r["dropped"] is not None)}
+    out = {"name": name, "write_s": med(w), "read_s": med(rd), "write_gbps_rank": med(wgb),
+           "read_gbps_rank": med(rgb), "bytes_rank": per_rank_bytes[0], "world": len(results[0]),
+           "node_write_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, w)]),
+           "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
+           "dropped": all(r["dropped"] for rep in results for r in rep if r["dropped"] is not None)}
+    reports = [r["phases"] for rep in results for r in rep if r.get("phases")]
+    if reports:  # per phase: medians over every (rep, rank) of first start, last end, busy sum, count
+        out["phases"] = {ph: {k: statistics.median(rp[ph][k] if ph in rp else 0.0 for rp in reports)
+                              for k in ("first", "last", "sum", "n")}
+                         for ph in dict.fromkeys(ph for rp in reports for ph in rp)}
+    return out
+
+
+PHASE_ORDER = ("backend_set", "submit", "index_lookup", "crc_seal", "pwrite", "fdatasync", "lmdb_lock_wait",
+               "index_commit", "upstream_ack")
+
+
+def print_phases(console, summaries):
+    from rich.table import Table
+
+    rows = [s for s in summaries if s.get("phases")]
+    if not rows:
+        return
+    t = Table(title="Where each rank's backup time goes (--phases): ms after the backup started; median over "
+                    "ranks and reps of first start / last end / busy sum (all threads) / calls")
+    t.add_column("config")
+    for ph in PHASE_ORDER:
+        t.add_column(ph, justify="right")
+    for s in rows:
+        cells = []
+        for ph in PHASE_ORDER:
+            d = s["phases"].get(ph)
+            if d is None:
+                cells.append("-")
+            elif ph == "upstream_ack":
+                cells.append(f"{d['last'] * 1e3:.0f}")
+            else:
+                cells.append(f"{d['first'] * 1e3:.0f}/{d['last'] * 1e3:.0f}/{d['sum'] * 1e3:.0f}/{d['n']:g}")
+        t.add_row(f"{s['name']}, {s['pages']} pages", *cells)
+    console.print(t)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pages", type=int, default=64, help="64-token pages in the workload")
+    p.add_argument("--pages", default="64", help="64-token pages in the workload; a comma list runs each size "
+                                                 "(e.g. 64,512: 512 pages = one 32K-token prompt)")
     p.add_argument("--layers", type=int, default=78, help="MLA layers (GLM-5: 78)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="16 pages x 8 layers, 1 rep (smoke)")
@@ -234,9 +350,19 @@ def main():
     p.add_argument("--threads", type=int, default=4, help="raw rows: requests in flight per writer (= io.threads)")
     p.add_argument("--disks", default=None, help="DIR0,DIR1 on two devices: add CP=2 rows with rank_to_disk")
     p.add_argument("--configs", default=None, help="';'-separated subset of row names (default: all; the file row always runs)")
+    p.add_argument("--backup-ack", default="durable", choices=("durable", "written", "both"),
+                   help="durability.backup_ack of our rows; 'both' adds a 'written' row after each durable one")
+    p.add_argument("--phases", action="store_true",
+                   help="record per-phase timestamps of each rank's backup in our rows and print where the time goes")
     args = p.parse_args()
+    try:
+        sizes = [int(x) for x in str(args.pages).split(",")]
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--pages: pass page counts >= 1, comma separated (e.g. 64,512), got {args.pages!r}")
     if args.quick:
-        args.pages, args.layers, args.reps = 16, 8, 1
+        sizes, args.layers, args.reps = [16], 8, 1
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
@@ -254,39 +380,54 @@ def main():
     if args.configs:
         keep = set(args.configs.split(";"))
         configs = [c for c in configs if c[0] in keep or c[0].startswith("upstream")]
+    acks = {"durable": ["durable"], "written": ["written"], "both": ["durable", "written"]}[args.backup_ack]
+    rows = []
+    for name, backend, world, sharded, dk in configs:
+        if backend != "cp_l3":
+            rows.append((name, backend, world, sharded, dk, "durable"))
+            continue
+        for ack in acks:
+            rows.append((name if ack == "durable" else f"{name}, ack written", backend, world, sharded, dk, ack))
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
     try:
-        for name, backend, world, sharded, dk in tqdm(configs, desc="configs"):
-            if backend == "raw":
-                summaries.append(summarize(name, run_raw(world, dk or [workdir], args)))
-            else:
-                summaries.append(summarize(name, run_config(name, backend, world, sharded, args, workdir, dk)))
-            summaries[-1]["disks"] = len(dk) if dk else 1
+        for pages in sizes:
+            for name, backend, world, sharded, dk, ack in tqdm(rows, desc=f"configs, {pages} pages"):
+                if backend == "raw":
+                    s = summarize(name, run_raw(world, dk or [workdir], args, pages))
+                else:
+                    s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack))
+                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack)
+                summaries.append(s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    base = summaries[0]
-    raw = {(s["world"], s["disks"]): s for s in summaries if s["name"].startswith("raw")}
-    table = Table(title=f"HiCache storage path, {args.pages} pages x {args.layers} layers "
-                        f"({args.pages * args.layers * PAGE * 1152 / 1e9:.2f} GB logical), median of "
-                        f"{args.reps} (min-max); write = durable (file: + syncfs); read = cold prefetch")
-    for col in ("config", "bytes/rank", "write GB/s/rank", "read GB/s/rank", "backup s (e2e)",
-                "prefetch s (e2e)", "node write GB/s", "node read GB/s", "node W x raw", "node R x raw",
-                "write x file", "read x file"):
-        table.add_column(col, justify="right")
 
     def fmt(t):
         return f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"
-    for s in summaries:
-        r = raw.get((s["world"], s["disks"]))
-        vs_raw = (f"{s['node_write_gbps'][0] / r['node_write_gbps'][0]:.2f}x",
-                  f"{s['node_read_gbps'][0] / r['node_read_gbps'][0]:.2f}x") if r else ("-", "-")
-        table.add_row(s["name"], f"{s['bytes_rank'] / 1e9:.2f} GB", fmt(s["write_gbps_rank"]),
-                      fmt(s["read_gbps_rank"]), fmt(s["write_s"]), fmt(s["read_s"]),
-                      fmt(s["node_write_gbps"]), fmt(s["node_read_gbps"]), *vs_raw,
-                      f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
-                      f"{base['read_s'][0] / s['read_s'][0]:.2f}x")
-    Console(width=280).print(table)
+    console = Console(width=280)
+    for pages in sizes:
+        group = [s for s in summaries if s["pages"] == pages]
+        base = group[0]
+        raw = {(s["world"], s["disks"]): s for s in group if s["name"].startswith("raw")}
+        table = Table(title=f"HiCache storage path, {pages} pages x {args.layers} layers "
+                            f"({pages * args.layers * PAGE * 1152 / 1e9:.2f} GB logical), median of "
+                            f"{args.reps} (min-max); write = until upstream's backup ack (durable, file: + syncfs; "
+                            "'ack written': pages in their slots, commit pending); read = cold prefetch")
+        for col in ("config", "bytes/rank", "write GB/s/rank", "read GB/s/rank", "backup s (e2e)",
+                    "prefetch s (e2e)", "node write GB/s", "node read GB/s", "node W x raw", "node R x raw",
+                    "write x file", "read x file"):
+            table.add_column(col, justify="right")
+        for s in group:
+            r = raw.get((s["world"], s["disks"]))
+            vs_raw = (f"{s['node_write_gbps'][0] / r['node_write_gbps'][0]:.2f}x",
+                      f"{s['node_read_gbps'][0] / r['node_read_gbps'][0]:.2f}x") if r else ("-", "-")
+            table.add_row(s["name"], f"{s['bytes_rank'] / 1e9:.2f} GB", fmt(s["write_gbps_rank"]),
+                          fmt(s["read_gbps_rank"]), fmt(s["write_s"]), fmt(s["read_s"]),
+                          fmt(s["node_write_gbps"]), fmt(s["node_read_gbps"]), *vs_raw,
+                          f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
+                          f"{base['read_s'][0] / s['read_s'][0]:.2f}x")
+        console.print(table)
+    print_phases(console, summaries)
     print("page cache dropped before every cold read:", all(s["dropped"] for s in summaries))
     print("node = all ranks' bytes / time until the last rank is done; 'x raw' = against the raw row with as many "
           "writers on the same disk(s) in this run; file and CP=1 ours compare with the 1-writer raw row.")
