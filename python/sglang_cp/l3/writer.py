@@ -23,8 +23,11 @@ from .payload_pool import PayloadPool
 
 # A coalesced write covers consecutive slots up to this many bytes (one pwritev).
 _MAX_IO_BYTES = 4 << 20
-# While writes are still in flight, a group commits at this size (bounds DURABLE ack latency).
-_GROUP_BYTES = 256 << 20
+# While writes are still in flight, a group commits at this size (bounds DURABLE ack latency). A commit
+# started while writes stream flushes the device under them and queues LMDB's small writes behind them;
+# upstream's backup calls are 128 pages (0.74 GB at GLM-5's 5.75 MB pages), so at 1 GiB each call commits
+# once, at its end (256 MiB split a 64-page call in two: docs_internal/l3_store.md, "Group size").
+_GROUP_BYTES = 1 << 30
 # Written but not yet committed bytes above which no new write is dispatched. Staging tokens come back
 # when a pwrite returns, so without this a stuck commit (a hung fdatasync) would let writers run on
 # unbounded; with it, staging fills and submitters block (backpressure) until the commit lands.
