@@ -39,11 +39,18 @@ def test_bench_cp_l3_smoke(disk_tmp):
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
-         str(disk_tmp), "--json", str(out)],
+         str(disk_tmp), "--json", str(out), "--phases", "--backup-ack", "both",
+         "--configs", "raw O_DIRECT, 2 writers;ours, CP=2 sharded"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     # The script exits non-zero when any rank reloads wrong bytes or fewer tokens than it wrote.
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
 
-    names = [s["name"] for s in json.loads(out.read_text())]
-    assert any("file" in n for n in names) and sum("ours" in n for n in names) >= 2, names
+    rows = json.loads(out.read_text())
+    names = [s["name"] for s in rows]
+    assert names == ["upstream file, CP=1", "raw O_DIRECT, 2 writers", "ours, CP=2 sharded",
+                     "ours, CP=2 sharded, ack written"], names
+    # --phases: every row of ours says when its pages were written, flushed and indexed.
+    for s in rows[2:]:
+        assert s["phases"]["pwrite"]["n"] >= 1 and s["phases"]["upstream_ack"]["last"] > 0, s
+    assert rows[2]["phases"]["index_commit"]["n"] >= 1, rows[2]
