@@ -35,6 +35,41 @@ def aligned_buffer(nbytes: int, populate: bool = False, huge: bool = False) -> m
     return buf
 
 
+def huge_page_bytes() -> int:
+    """The transparent huge page size (2 MiB on x86-64), or 2 MiB where the kernel does not say."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+def huge_aligned_view(nbytes: int, populate: bool = True) -> memoryview:
+    """A writable view of at least `nbytes` that starts on a huge page boundary and spans whole huge
+    pages, advised for THP and (by default) faulted in now. The view keeps its mapping alive.
+
+    Unlike `aligned_buffer(huge=True)`, whose mapping starts anywhere on a 4 KiB boundary (a 3 MiB
+    mapping holds one huge page at most), every byte of the view can be a huge page: memory that a
+    preadv lands in is then physically contiguous, so the block layer builds a request from a few
+    large segments instead of one per 4 KiB page. On the CI VM (virtio-blk, 254 segments per request)
+    cold 3-page reads into a 3 MiB `aligned_buffer(huge=True)` area ran at 1.5 GB/s, into this view
+    at 3.1 GB/s. Without THP support the view is ordinary 4 KiB pages."""
+    huge = huge_page_bytes()
+    size = -(-max(nbytes, 1) // huge) * huge
+    buf = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # slack to align in
+    off = -address_of(buf) % huge
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            buf.madvise(advice, off, size)  # before the first touch
+        except OSError:
+            pass
+    view = memoryview(buf)[off:off + size]
+    if populate:
+        np.frombuffer(view, dtype=np.uint8)[::ALIGN] = 0
+    return view
+
+
 def address_of(buf) -> int | None:
     """Start address of a contiguous buffer, or None if it cannot be had without copying."""
     try:

@@ -1,12 +1,10 @@
 """One payload's slab on this rank: slot allocator, LRU, slot owners, and verified slot I/O.
 
 Bookkeeping (slots, lru, owner) is touched only by the write thread (and by recovery before threads
-start). `read_page` / `write_page` run on I/O threads and touch only the slab and the given buffers.
+start). Slot I/O (`seal_*`, `verify_landed`) runs on I/O threads and touches only the slab and the given buffers.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from .aligned import ALIGN, BounceBuffers, address_of
 from .blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
@@ -80,66 +78,18 @@ class PayloadPool:
     def _header(self, slot: int, digest: bytes, seq: int, pcrc: int) -> bytes:
         return pack_header(BlobHeader(self.tag, self.rank, slot, self.page_bytes, digest, seq, pcrc))
 
-    def read_page(self, slot: int, digest: bytes, out: memoryview, bounce: BounceBuffers) -> BlobHeader:
-        """Read + verify a slot into `out` (nbytes == page_bytes). Raises BlobError / OSError.
-        On failure `out` may hold partial bytes (documented: a miss leaves outs[i] unspecified)."""
-        pb, ext = self.page_bytes, self.extent
-        aligned_len = pb // ALIGN * ALIGN
-        addr = address_of(out)
-        zero_copy = aligned_len > 0 and addr is not None and addr % ALIGN == 0
-        if zero_copy:
-            tail = bounce.get(ext - aligned_len)
-            n = self.slab.read_slot(slot, [out[:aligned_len], tail])
-            if n != ext:
-                raise BlobError("short_read", f"{n}/{ext} B")
-            hdr = tail[pb - aligned_len: pb - aligned_len + HEADER_BYTES]
-            h = self._check(hdr, slot, digest)
-            if pb > aligned_len:
-                out[aligned_len:] = tail[: pb - aligned_len]
-            if crc32c(out) != h.payload_crc:
-                raise BlobError("crc_mismatch")
-            return h
-        buf = bounce.get(ext)
-        n = self.slab.read_slot(slot, [buf])
-        if n != ext:
-            raise BlobError("short_read", f"{n}/{ext} B")
-        h = self._check(buf[pb: pb + HEADER_BYTES], slot, digest)
-        if crc32c(buf[:pb]) != h.payload_crc:
+    def verify_landed(self, image: memoryview, slot: int, digest: bytes) -> BlobHeader:
+        """Check a slot image read into store memory (`image`: one whole extent, payload then header):
+        identity (tag, rank, slot, length, key digest) and payload CRC. Raises BlobError."""
+        pb = self.page_bytes
+        h = self._check(image[pb: pb + HEADER_BYTES], slot, digest)
+        if crc32c(image[:pb]) != h.payload_crc:
             raise BlobError("crc_mismatch")
-        np.copyto(np.frombuffer(out, dtype=np.uint8), np.frombuffer(buf[:pb], dtype=np.uint8))
         return h
 
-    def can_read_run(self, outs: list[memoryview]) -> bool:
-        """Consecutive slots can be read in one preadv straight into the outs (zero copy)."""
-        return self.slab.slot_bytes == self.extent and self.page_bytes >= ALIGN and all(
-            (a := address_of(o)) is not None and a % ALIGN == 0 for o in outs)
-
-    def read_run(self, first_slot: int, items: list[tuple[bytes, memoryview]], bounce: BounceBuffers) -> list:
-        """One preadv for consecutive slots [first_slot, +len(items)) into aligned outs; per page, the
-        verified header or the BlobError. Raises OSError if the read itself fails or comes back short."""
-        pb, ext = self.page_bytes, self.extent
-        aligned = pb // ALIGN * ALIGN
-        tail_len = ext - aligned
-        tails = bounce.get(tail_len * len(items))
-        iov = []
-        for k, (_, out) in enumerate(items):
-            iov += [out[:aligned], tails[k * tail_len:(k + 1) * tail_len]]
-        n = self.slab.read_slots(first_slot, len(items), iov)
-        if n != ext * len(items):
-            raise OSError(5, f"short read {n}/{ext * len(items)} B")
-        results = []
-        for k, (digest, out) in enumerate(items):
-            tail = tails[k * tail_len:(k + 1) * tail_len]
-            try:
-                h = self._check(tail[pb - aligned: pb - aligned + HEADER_BYTES], first_slot + k, digest)
-                if pb > aligned:
-                    out[aligned:] = tail[: pb - aligned]
-                if crc32c(out) != h.payload_crc:
-                    raise BlobError("crc_mismatch")
-                results.append(h)
-            except BlobError as err:
-                results.append(err)
-        return results
+    def can_read_run(self) -> bool:
+        """Consecutive slots are consecutive extents in the slab: a run can be read with one preadv."""
+        return self.slab.slot_bytes == self.extent
 
     def read_header(self, slot: int, bounce: BounceBuffers) -> BlobHeader:
         """Header-only read (recovery): one or two aligned blocks, not the whole slot."""

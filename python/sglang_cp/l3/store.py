@@ -3,8 +3,9 @@
 Threads: callers submit; one write thread owns slot pools, LRU and GC and commits the index; two I/O
 pools (`io.threads` each) do O_DIRECT writes and reads. Durability order per group of writes:
 data -> fdatasync -> index commit -> DURABLE ack. Deletes: index delete -> slot free.
-Reads land in memory the store owns and are copied out only once verified, so a read that never
-comes back cannot touch the caller's pages; read_pages / write_pages with a timeout and close()
+Reads land in memory the store owns and are copied out only once verified (by a finisher thread, so
+the I/O thread's next preadv does not wait for the copy), so a read that never comes back cannot
+touch the caller's pages; read_pages / write_pages with a timeout and close()
 return within their bound even when the device never answers.
 Design and crash guarantees: docs_internal/l3_store.md.
 """
@@ -26,7 +27,7 @@ from typing import Optional
 import numpy as np
 
 from .acks import Ack, AckKind, OpState
-from .aligned import ALIGN, BounceBuffers, aligned_buffer
+from .aligned import huge_aligned_view
 from .blob import BlobError, key_digest, key_digester, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
@@ -51,6 +52,9 @@ _MESSAGE_BYTES = 8 << 20
 # one page per request read 0.90x raw over 4 GiB, three per request 0.97x. At 64 KiB pages the request
 # count bound keeps requests near 1 MiB (fewer, larger ones read slower there: 1.35x vs 1.46x raw).
 _READ_IO_BYTES = 4 << 20
+# Landing areas per read I/O thread: one in a preadv, the others with pages being verified and copied
+# out by a finisher while the I/O thread already reads the next request.
+_LANDING_PER_THREAD = 2
 # close() waits this long for in-flight I/O and the last group commit; past it, pending operations fail
 # and the files stay open for threads still inside a syscall (a hung device).
 CLOSE_TIMEOUT_S = 30.0
@@ -134,8 +138,9 @@ class L3Store:
                 raise L3StartupError("payloads: two payload names hash to the same tag; rename one")
             # Allocated before cold start: a failure here must not follow a 'clear' that wiped the index.
             self._staging = Staging(config.io.max_inflight_pages, {p.extent for p in self._pools.values()})
-            self._landing_free = {p.name: [memoryview(aligned_buffer(_landing_bytes(p), populate=True, huge=True))
-                                           for _ in range(config.io.threads)] for p in self._pools.values()}
+            self._landing_free = {p.name: [huge_aligned_view(_landing_bytes(p))
+                                           for _ in range(_LANDING_PER_THREAD * config.io.threads)]
+                                  for p in self._pools.values()}
             try:
                 cold_start_result = cold_start_fn(cold_start, self._index, rank, self._by_tag, config.io.threads)
             except (IndexFull, IndexUnavailable) as e:
@@ -157,12 +162,11 @@ class L3Store:
                                        config.gc.max_reclaim_per_iter) for p in self._pools}
         self._read_permits = max(config.io.max_inflight_pages, config.io.threads)
         self._read_slots = Tokens(self._read_permits)
-        self._bounce = BounceBuffers()
         # Where reads land before they are copied out (self._landing_free, allocated with staging before
-        # cold start): one area per read I/O thread and payload, faulted in at open (first touch is slow
-        # on VMs) and handed to a thread on its first read.
-        self._landing_tls = threading.local()
-        self._landing_lock = threading.Lock()
+        # cold start, faulted in: first touch is slow on VMs). An area is taken for one preadv and comes
+        # back only after its pages were copied out, so a preadv stuck in the kernel keeps its area for
+        # good and a late completion lands where nobody looks.
+        self._landing_cond = threading.Condition()
         self._op_ids = itertools.count(1)
         self._acks: collections.deque[Ack] = collections.deque()
         self._lock = threading.Lock()          # guards _inflight (dedup) and counters
@@ -179,6 +183,7 @@ class L3Store:
         self._reads_inflight = 0
         self._wio = ThreadPoolExecutor(config.io.threads, thread_name_prefix=f"l3w-r{rank}")
         self._rio = ThreadPoolExecutor(config.io.threads, thread_name_prefix=f"l3r-r{rank}")
+        self._fio = ThreadPoolExecutor(config.io.threads, thread_name_prefix=f"l3f-r{rank}")  # verify + copy out
         self._writer = threading.Thread(target=self._write_loop, name=f"l3-writer-r{rank}", daemon=True)
         self._writer.start()
 
@@ -405,6 +410,7 @@ class L3Store:
         self._fail_live_ops()
         self._wio.shutdown(wait=False, cancel_futures=True)
         self._rio.shutdown(wait=False, cancel_futures=True)
+        self._fio.shutdown(wait=False, cancel_futures=True)
         if self._writer.is_alive() or not quiet:
             logger.error("L3 rank %d: close() gave up after %.1f s: the device did not answer (%d I/O request(s) "
                          "still in flight); pending operations failed, the slab files and the index stay open "
@@ -539,10 +545,7 @@ class L3Store:
             with self._lock:
                 self._reads_inflight += len(run)
             items = [(i, ikeys[i], digests[i], entries[i], views[i]) for _, i in run]
-            if len(items) == 1:
-                self._submit_io(self._rio, self._read_one, op, items[0][0], pool, *items[0][1:])
-            else:
-                self._submit_io(self._rio, self._read_run, op, pool, items)
+            self._submit_io(self._rio, self._read_io, op, pool, items)
         return op
 
     def _acquire_read_slots(self, n: int, deadline: Optional[float]) -> bool:
@@ -553,24 +556,22 @@ class L3Store:
                 return False
         return True
 
-    def _landing_views(self, pool: PayloadPool, n: int) -> list[memoryview]:
-        """This I/O thread's landing area for `n` pages (4 KiB-aligned, one per page). A thread stuck in
-        the kernel keeps its own area, so a late completion lands where nobody else looks."""
-        stride = -(-pool.page_bytes // ALIGN) * ALIGN
-        if n * stride > _landing_bytes(pool):
-            raise L3InvariantError(f"read run of {n} pages exceeds the landing area ({_landing_bytes(pool)} B)")
-        areas = getattr(self._landing_tls, "areas", None)
-        if areas is None:
-            areas = self._landing_tls.areas = {}
-        area = areas.get(pool.name)
-        if area is None:
-            with self._landing_lock:
-                free = self._landing_free[pool.name]
-                area = free.pop() if free else None
-            if area is None:  # more read threads than io.threads: cannot happen with the pool as built
-                area = memoryview(aligned_buffer(_landing_bytes(pool)))
-            areas[pool.name] = area
-        return [area[k * stride:k * stride + pool.page_bytes] for k in range(n)]
+    def _take_area(self, pool: PayloadPool) -> memoryview:
+        """A free landing area (I/O thread). Preadvs in flight hold at most io.threads of the
+        _LANDING_PER_THREAD x io.threads areas, so this waits only for copy-outs under way (memory,
+        never the disk); not getting one in CONTROL_TIMEOUT_S means an area leaked: loud."""
+        with self._landing_cond:
+            free = self._landing_free[pool.name]
+            if not self._landing_cond.wait_for(lambda: free, CONTROL_TIMEOUT_S):
+                raise L3InvariantError(f"payload {pool.name!r}: no read landing area came back in "
+                                       f"{CONTROL_TIMEOUT_S:g} s (an area was not returned after its copy-out)")
+            return free.pop()
+
+    def _give_area(self, pool: PayloadPool, area: memoryview) -> None:
+        """Only once the preadv into `area` returned and nothing reads it any more."""
+        with self._landing_cond:
+            self._landing_free[pool.name].append(area)
+            self._landing_cond.notify()
 
     def _deliver(self, op: OpState, pairs: list[tuple[memoryview, memoryview]], oks: list[bool]) -> list[bool]:
         """Copy verified pages from the landing area into the caller's outs, unless the caller gave up:
@@ -610,63 +611,78 @@ class L3Store:
             run.append((slot, i))
         if run:
             runs.append(run)
-        if pool.can_read_run([]):  # the slab geometry allows it (landing areas are always aligned)
+        if pool.can_read_run():  # the slab geometry allows it
             return runs
         return [[r] for run in runs for r in run]
 
-    def _read_run(self, op: OpState, pool: PayloadPool, items: list) -> None:
-        """A coalesced read; if the read itself fails or comes back short, each page is retried alone
-        so one bad sector or a truncated slab costs only its own pages."""
+    def _read_io(self, op: OpState, pool: PayloadPool, items: list) -> None:
+        """I/O thread: read whole slots into a free landing area, then hand it to a finisher (verify +
+        copy out) and return to the next request: the device does not wait for the copy."""
+        area, handed = None, False
+        try:
+            if op.cancelled:  # the sync caller timed out: skip the I/O
+                return
+            area = self._take_area(pool)
+            got = self._land(op, pool, items, area)
+            handed = self._submit_io(self._fio, self._finish_read, op, pool, items, area, got)
+            if not handed:  # close() shut the finisher pool meanwhile: finish here
+                handed = True
+                self._finish_read(op, pool, items, area, got)
+        except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
+            self._set_fatal(err)
+        finally:
+            if not handed:
+                if area is not None:  # its preadv returned (or never started): reusable
+                    self._give_area(pool, area)
+                for i, ikey, _, _, _ in items:
+                    self._page_done(op, i, pool, ikey, False)
+
+    def _land(self, op: OpState, pool: PayloadPool, items: list, area: memoryview) -> list[bool]:
+        """Read the items' slots (whole extents, payload then header) into `area`, one preadv for a run
+        of consecutive slots; if that fails or comes back short, each page alone, so one bad sector or
+        a truncated slab costs only its own pages. Per page: read in full."""
+        ext, n = pool.extent, len(items)
+        if n > 1:
+            try:
+                if pool.slab.read_slots(items[0][3].slot, n, [area[:n * ext]]) == n * ext:
+                    return [True] * n
+            except OSError:
+                pass
+        got = []
+        for k, (_, ikey, _, e, _) in enumerate(items):
+            ok = False
+            if not op.cancelled:
+                try:
+                    got_b = pool.slab.read_slot(e.slot, [area[k * ext:(k + 1) * ext]])
+                    ok = got_b == ext
+                    if not ok:
+                        self._bad_page(pool, ikey, e, BlobError("short_read", f"{got_b}/{ext} B"))
+                except OSError as err:
+                    self._fault("read_errors", f"read-{err.errno}", "L3 read of %s slot %d failed: %s",
+                                pool.name, e.slot, err)
+            got.append(ok)
+        return got
+
+    def _finish_read(self, op: OpState, pool: PayloadPool, items: list, area: memoryview, got: list[bool]) -> None:
+        """Finisher thread: verify the landed pages, copy the good ones out, give the area back."""
+        ext, pb = pool.extent, pool.page_bytes
         oks = [False] * len(items)
         try:
-            if not op.cancelled:  # else the sync caller timed out: skip the I/O
-                lands = self._landing_views(pool, len(items))
-                try:
-                    results = pool.read_run(items[0][3].slot, [(it[2], land) for it, land in zip(items, lands)],
-                                            self._bounce)
-                except OSError:
-                    results = None
-                if results is None:
-                    oks = [self._read_page_io(op, pool, ikey, d, e, land)
-                           for (_, ikey, d, e, _), land in zip(items, lands)]
-                else:
-                    for k, r in enumerate(results):
-                        if isinstance(r, BlobError):
-                            self._bad_page(pool, items[k][1], items[k][3], r)
-                        else:
+            if not op.cancelled:  # else the caller gave up: its memory is off limits anyway
+                for k, (_, ikey, digest, e, _) in enumerate(items):
+                    if got[k]:
+                        try:
+                            pool.verify_landed(area[k * ext:(k + 1) * ext], e.slot, digest)
                             oks[k] = True
-                oks = self._deliver(op, [(land, it[4]) for it, land in zip(items, lands)], oks)
+                        except BlobError as err:
+                            self._bad_page(pool, ikey, e, err)
+                oks = self._deliver(op, [(area[k * ext:k * ext + pb], it[4]) for k, it in enumerate(items)], oks)
         except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
             self._set_fatal(err)
         finally:
+            self._give_area(pool, area)
             for k, (i, ikey, _, _, _) in enumerate(items):
                 self._page_done(op, i, pool, ikey, oks[k])
-
-    def _read_one(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, digest: bytes, e: IndexEntry,
-                  out: memoryview) -> None:
-        ok = False
-        try:
-            land = self._landing_views(pool, 1)[0]
-            ok = self._deliver(op, [(land, out)], [self._read_page_io(op, pool, ikey, digest, e, land)])[0]
-        except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
-            self._set_fatal(err)
-        finally:
-            self._page_done(op, i, pool, ikey, ok)
-
-    def _read_page_io(self, op: OpState, pool: PayloadPool, ikey: bytes, digest: bytes, e: IndexEntry,
-                      land: memoryview) -> bool:
-        """Read + verify one page into this thread's landing area (never the caller's memory)."""
-        if op.cancelled:
-            return False  # the sync caller timed out: skip the I/O
-        try:
-            pool.read_page(e.slot, digest, land, self._bounce)
-            return True
-        except BlobError as err:
-            self._bad_page(pool, ikey, e, err)
-        except OSError as err:
-            self._fault("read_errors", f"read-{err.errno}", "L3 read of %s slot %d failed: %s",
-                        pool.name, e.slot, err)
-        return False
 
     def _page_done(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, ok: bool) -> None:
         if ok:
@@ -801,18 +817,20 @@ class L3Store:
             self._last_seq = t
             return t
 
-    def _submit_io(self, pool: ThreadPoolExecutor, fn, *args) -> None:
+    def _submit_io(self, pool: ThreadPoolExecutor, fn, *args) -> bool:
         """Executor futures swallow exceptions; a task that dies outside its own handlers is a bug in
         this store, so it turns fatal (and fails every waiting op) instead of leaving callers hanging.
-        Tasks are counted so that close() can tell when no thread is inside a syscall any more."""
+        Tasks are counted so that close() can tell when no thread is inside a syscall any more.
+        False: the pool was shut down (the caller settles what the task would have)."""
         with self._io_cond:
             self._io_tasks += 1
         try:
             fut = pool.submit(fn, *args)
         except RuntimeError:  # the pool was shut down by a close() that raced this submit
             self._io_task_done(None)
-            return  # close() fails the op's pages
+            return False  # close() fails the op's pages
         fut.add_done_callback(self._io_task_done)
+        return True
 
     def _io_task_done(self, fut) -> None:
         with self._io_cond:
@@ -929,8 +947,8 @@ cold_start_fn = cold_start
 
 
 def _landing_bytes(pool: PayloadPool) -> int:
-    """One read I/O thread's landing area for a payload: the longest coalesced read (_read_runs)."""
-    return max(1, _READ_IO_BYTES // pool.extent) * (-(-pool.page_bytes // ALIGN) * ALIGN)
+    """One landing area for a payload: the longest coalesced read (_read_runs), whole slot extents."""
+    return max(1, _READ_IO_BYTES // pool.extent) * pool.extent
 
 
 def _left(deadline: Optional[float]) -> Optional[float]:
