@@ -10,14 +10,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from .index import IndexEntry
+from .index import IndexEntry, ikey_digest
 
 
 class PageLRU:
-    """index key -> IndexEntry, coldest first. Stamps come from last_access (ns)."""
+    """index key -> IndexEntry, coldest first. Stamps come from last_access (ns).
+    Beside it, the set of the held keys' digests (one pool = one rank and payload, so a digest names
+    one key): `holds` is that set's C membership test, which the hit query maps over digests without
+    building index keys. The set follows the dict (added after, removed after)."""
 
     def __init__(self):
         self._od: OrderedDict[bytes, IndexEntry] = OrderedDict()
+        self._digests: set[bytes] = set()
+        self.holds = self._digests.__contains__
 
     def __len__(self) -> int:
         return len(self._od)
@@ -31,12 +36,15 @@ class PageLRU:
     def add(self, ikey: bytes, entry: IndexEntry) -> None:
         self._od[ikey] = entry
         self._od.move_to_end(ikey)
+        self._digests.add(ikey_digest(ikey))
 
     def seed(self, items: list[tuple[bytes, IndexEntry]]) -> None:
         """Bulk load at recovery, ordered by the durable last_access."""
         self._od.clear()
+        self._digests.clear()
         for k, e in sorted(items, key=lambda kv: kv[1].last_access):
             self._od[k] = e
+        self._digests.update(map(ikey_digest, self._od))
 
     def touch(self, ikey: bytes, stamp: int) -> Optional[IndexEntry]:
         e = self._od.get(ikey)
@@ -48,7 +56,10 @@ class PageLRU:
         return e
 
     def remove(self, ikey: bytes) -> Optional[IndexEntry]:
-        return self._od.pop(ikey, None)
+        e = self._od.pop(ikey, None)
+        if e is not None:
+            self._digests.discard(ikey_digest(ikey))
+        return e
 
     def coldest(self, n: int) -> list[tuple[bytes, IndexEntry]]:
         out = []
@@ -60,6 +71,7 @@ class PageLRU:
 
     def clear(self) -> None:
         self._od.clear()
+        self._digests.clear()
 
 
 class WatermarkPolicy:
