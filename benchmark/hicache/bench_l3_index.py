@@ -12,7 +12,8 @@ pages), one run:
   4. query   exists_prefix (1 payload) and exists_prefix_multi (KV + indexer) over 2,048 and 16,384 keys
              (a 128K- and a 1M-token context of 64-token pages), and exists_each with 8 classes (one CP8
              rank's hit query for every rotation phase at once), all keys present (the full scan);
-             the store keys are built the way the backend builds them (KeyScheme), timed with the query;
+             the keys are passed the way the backend passes them (KeyScheme: the constant head as
+             key_prefix, the encoded page hashes as keys), timed with the query;
              then rank 0 is reopened with cold start 'load' (its 32,768 entries among the N: timed);
   5. I/O     spill (write_pages per 128 pages, to DURABLE) and cold reload (read_pages per 128) of
              --io-mib of 1 MiB pages, against raw O_DIRECT (pwrite x io.threads + fdatasync; preadv)
@@ -188,16 +189,19 @@ def one_size(base: str, n: int, args) -> dict:
             for nk in (2048, QUERY_KEYS):
                 h = hashes[:nk]
                 runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
-                out[f"prefix1_{nk}"] = timed(lambda: store.exists_prefix("kv", ks.keys(h, 0)) == nk or _fail(), runs)
+                out[f"prefix1_{nk}"] = timed(
+                    lambda: store.exists_prefix("kv", ks.suffixes(h), key_prefix=ks.prefix(0)) == nk or _fail(), runs)
                 out[f"prefix2_{nk}"] = timed(
-                    lambda: store.exists_prefix_multi(["kv", "indexer"], ks.keys(h, 0)) == nk or _fail(), runs)
+                    lambda: store.exists_prefix_multi(["kv", "indexer"], ks.suffixes(h), key_prefix=ks.prefix(0)) == nk
+                    or _fail(), runs)
                 # Floors, same run: the LMDB lookups alone (store keys digested beforehand), one txn.
                 rows1 = store._exists_rows(["kv"], skeys[:nk])
                 rows2 = store._exists_rows(["kv", "indexer"], skeys[:nk])
                 out[f"lmdb1_{nk}"] = timed(lambda: store._index.exists_prefix(rows1) == nk or _fail(), runs)
                 out[f"lmdb2_{nk}"] = timed(lambda: store._index.exists_prefix(rows2) == nk or _fail(), runs)
                 out[f"each8_{nk}"] = timed(
-                    lambda: all(store.exists_each(["kv", "indexer"], ks.keys(h, 0), classes=8)) or _fail(), runs)
+                    lambda: all(store.exists_each(["kv", "indexer"], ks.suffixes(h), classes=8, key_prefix=ks.prefix(0)))
+                    or _fail(), runs)
             store.close()
             t0 = time.perf_counter()
             store = L3Store(cfg, rank=0, ranks_per_node=2, payloads=PAYLOADS, cold_start="load")
@@ -272,7 +276,7 @@ def main():
                   f"cold reload (read_pages/128) {med(r['reload_gbps'])} GB/s = {med(r['reload_vs_raw'])}x raw "
                   f"({r['io_bytes'] / 2**20:.0f} MiB of 1 MiB pages, {args.io_reps} reps, same-run raw O_DIRECT)")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
-          f"wall {time.time() - t_start:.0f} s. Times include building the store keys (KeyScheme), as the backend does; "
+          f"wall {time.time() - t_start:.0f} s. Times include the backend's key work (KeyScheme.suffixes/prefix); "
           "'floor' = the same lookups with the keys digested beforehand (LMDB alone), same run.")
 
 

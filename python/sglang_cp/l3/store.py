@@ -32,7 +32,7 @@ from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-export
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .files import private_dir, private_dirs
-from .gc import WatermarkPolicy
+from .gc import HeldDigests, WatermarkPolicy
 from .index import MAX_RANKS, IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .index import key_prefix as index_key_prefix
 from .ownership import RankLock
@@ -134,6 +134,9 @@ class L3Store:
                                 fault_injector=fault_injector, disk_index=disk_i, field=f"disks[{disk_i}]")
                 self._pools[p] = PayloadPool(p, b, rank, slab)
             self._by_tag = {pool.tag: pool for pool in self._pools.values()}
+            self._held = HeldDigests()  # the hit query's view of every pool's LRU (one lookup per key)
+            for i, pool in enumerate(self._pools.values()):
+                pool.lru.attach(self._held, 1 << i)
             if len(self._by_tag) != len(self._pools):
                 raise L3StartupError("payloads: two payload names hash to the same tag; rename one")
             # Allocated before cold start: a failure here must not follow a 'clear' that wiped the index.
@@ -726,13 +729,18 @@ class L3Store:
         In the windows around a commit or delete the answer errs towards a miss, or towards a hit that
         read_pages (which asks the index) turns into a miss: never wrong bytes. classes=0: the prefix
         length; else exists_each's flags.
-        Cost: one digest per key for all payloads, then one C-level membership pass per payload (the
-        LRU's digest set) over chunks that grow from 64 keys: a miss at key i costs about i keys of work."""
+        Cost: one digest per key for all payloads and one C-level lookup of it in the pools' shared
+        HeldDigests (a bit per payload), over chunks that grow from 64 keys: a miss at key i costs about
+        i keys of work. Pages pending a commit or being dropped take the per-payload path."""
         self._raise_fatal()
         if not isinstance(key_prefix, bytes):
             raise TypeError(f"key_prefix: must be bytes, got {type(key_prefix).__name__}")
-        cols = [(index_key_prefix(self.rank, pl.tag).__add__, pl.lru.holds)
-                for pl in [self._pool(p) for p in payloads]]
+        pools = [self._pool(p) for p in payloads]
+        cols = [(index_key_prefix(self.rank, pl.tag).__add__, pl.lru.bit) for pl in pools]
+        mask = 0
+        for pl in pools:
+            mask |= pl.lru.bit
+        get = self._held.get
         pending = self._written_pending()
         dropping = self._dropping or None
         n = len(keys)
@@ -743,16 +751,10 @@ class L3Store:
             e = min(n, s + step)
             step = min(step * 2, 4096)
             digests = self._digests(keys[s:e], key_prefix)
-            hit = None
-            for prefixed, holds in cols:
-                h = list(map(holds, digests))
-                if (pending is not None and False in h) or dropping is not None:
-                    ikeys = list(map(prefixed, digests))
-                    if pending is not None:
-                        h = [x or pending(k) for x, k in zip(h, ikeys)]
-                    if dropping is not None:
-                        h = [x and k not in dropping for x, k in zip(h, ikeys)]
-                hit = h if hit is None else list(map(operator.and_, hit, h))
+            held = list(map(get, digests, itertools.repeat(0, e - s)))
+            hit = list(map(mask.__eq__, map(mask.__and__, held)))
+            if (pending is not None and False in hit) or dropping is not None:
+                hit = self._exists_slow(cols, digests, held, pending, dropping)
             if not classes:
                 if False in hit:
                     return s + hit.index(False)
@@ -772,6 +774,21 @@ class L3Store:
                 j = col.index(False)
                 out[c + j * classes::classes] = [False] * (len(col) - j)
         return out
+
+    @staticmethod
+    def _exists_slow(cols, digests, held, pending, dropping) -> list[bool]:
+        """The hit flags of one chunk payload by payload: pages written but not committed count
+        (pending), pages being dropped do not."""
+        hit = None
+        for prefixed, bit in cols:
+            h = [bool(v & bit) for v in held]
+            ikeys = list(map(prefixed, digests))
+            if pending is not None:
+                h = [x or pending(k) for x, k in zip(h, ikeys)]
+            if dropping is not None:
+                h = [x and k not in dropping for x, k in zip(h, ikeys)]
+            hit = h if hit is None else list(map(operator.and_, hit, h))
+        return hit
 
     def _touch(self, pool: PayloadPool, ikey: bytes, now: int) -> None:
         if len(self._touches) >= 65536:  # advisory: drop rather than grow without bound
