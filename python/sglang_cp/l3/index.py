@@ -157,16 +157,19 @@ class LmdbIndex:
             self.env.set_mapsize(map_size)
 
     def _check_format(self) -> None:
-        """Stamp a fresh index with FORMAT; refuse one of another format before anyone writes to it."""
-        with self.env.begin() as txn:
-            raw = txn.get(META_KEY)
-            entries = txn.stat()["entries"]
-        if raw is None and entries == 0:
-            with self.env.begin(write=True) as txn:  # writers serialise: one opener stamps it
-                if txn.get(META_KEY) is None:
-                    if txn.stat()["entries"] == 0:
-                        txn.put(META_KEY, b"%d" % FORMAT)
-                raw = txn.get(META_KEY)
+        """Stamp a fresh index with FORMAT; refuse one of another format before anyone writes to it.
+        Through _read/_write: another rank may be growing the map meanwhile (MapResizedError)."""
+        def stamp(txn):  # writers serialise: one opener stamps it
+            if txn.get(META_KEY) is None and txn.stat()["entries"] == 0:
+                txn.put(META_KEY, b"%d" % FORMAT)
+            return txn.get(META_KEY)
+        try:
+            raw, entries = self._read(lambda txn: (txn.get(META_KEY), txn.stat()["entries"]))
+            if raw is None and entries == 0:
+                raw = self._write(stamp)
+        except (IndexFull, IndexUnavailable) as e:
+            raise L3StartupError(f"index.dir: cannot open the LMDB index at '{self.path}' ({e}); check the "
+                                 "directory is writable and on a local filesystem") from None
         found = 1 if raw is None else (int(raw) if raw.isdigit() else -1)
         if found != FORMAT:
             what = {1: "format 1, written by an older sglang-cp (keys without the rank prefix)"}.get(
