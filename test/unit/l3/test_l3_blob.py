@@ -44,12 +44,13 @@ def test_reasons():
     with pytest.raises(BlobError) as e:
         parse_header(b"CPL3")
     assert e.value.reason == "short_header"
-    # A well-formed header of a future version is refused, not misread.
-    body = bytearray(pack_header(h)[:60])
-    body[4:6] = struct.pack("<H", 99)
-    with pytest.raises(BlobError) as e:
-        parse_header(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
-    assert e.value.reason == "bad_version"
+    # A well-formed header of a future version, or of version 1 (per-payload digests), is refused, not misread.
+    for version in (99, 1):
+        body = bytearray(pack_header(h)[:60])
+        body[4:6] = struct.pack("<H", version)
+        with pytest.raises(BlobError) as e:
+            parse_header(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
+        assert e.value.reason == "bad_version"
 
 
 def test_identity_check_catches_foreign_blobs():
