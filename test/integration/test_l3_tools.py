@@ -46,7 +46,7 @@ def _entry(cfg, rank, key):
     try:
         from sglang_cp.l3.blob import payload_tag
 
-        ikey = index_key(payload_tag("kv"), key_digest("kv", rank, key))
+        ikey = index_key(payload_tag("kv"), key_digest(rank, key), rank)
         return ikey, ix.get_many([ikey])[0]
     finally:
         ix.close()
@@ -141,7 +141,7 @@ def test_fsck_finds_each_kind_of_damage_and_repair_fixes_it(l3dir):
     try:
         from sglang_cp.l3.blob import payload_tag
 
-        fake = index_key(payload_tag("kv"), key_digest("kv", 0, b"not-written"))
+        fake = index_key(payload_tag("kv"), key_digest(0, b"not-written"), 0)
         ix.commit(deletes=[(k3, g3)], puts=[(fake, IndexEntry(0, 0, e4.slot, e4.payload_tag, PAGE_BYTES,
                                                                e4.last_access, e4.seq + 1))])
     finally:

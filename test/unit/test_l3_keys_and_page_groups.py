@@ -33,6 +33,16 @@ def test_owner_rank_is_part_of_the_key_and_bounded():
         ks.key("cd" * 32, 4)
 
 
+def test_batch_keys_equal_single_keys_and_check_the_owner():
+    ks = KeyScheme(BASE)
+    hashes = ["cd" * 32, "ab" * 32, ""]
+    for r in range(4):
+        assert ks.keys(hashes, r) == [ks.key(h, r) for h in hashes]
+        assert [ks.prefix(r) + s for s in ks.suffixes(hashes)] == ks.keys(hashes, r)  # the hit query's split
+    with pytest.raises(ValueError, match="outside cp size 4"):
+        ks.keys(hashes, 4)
+
+
 def test_page_groups_accept_whole_aligned_pages():
     idx = torch.cat([torch.arange(128, 192), torch.arange(0, 64)])
     assert validate_page_aligned(idx, 64, 2) == [128, 0]

@@ -64,5 +64,16 @@ class KeyScheme:
             raise ValueError(f"owner rank {owner} outside cp size {self.identity.cp_size}")
         return f"{self._prefix}/{owner}of{self.identity.cp_size}/{page_hash}".encode()
 
+    def prefix(self, owner: int) -> bytes:
+        """The part of every key of `owner` before the page hash: key(h, owner) == prefix(owner) + h.encode()."""
+        return self.key("", owner)
+
+    @staticmethod
+    def suffixes(page_hashes) -> list[bytes]:
+        """The page hashes as the keys' tails (the hit query passes prefix(owner) once beside them)."""
+        return list(map(str.encode, page_hashes))
+
     def keys(self, page_hashes, owner: int) -> list[bytes]:
-        return [self.key(h, owner) for h in page_hashes]
+        """[self.key(h, owner) for h in page_hashes], the constant part built once (the hit query's keys)."""
+        head = self.key("", owner).decode()
+        return [f"{head}{h}".encode() for h in page_hashes]

@@ -318,25 +318,22 @@ class CpL3Storage(HiCacheStorage):
             return 0
         if not self.sharded:
             clear_phase_vector()
-            return self.store.exists_prefix_multi(payloads, self.keys.keys(page_hashes, self._owner_key_rank()))
+            return self.store.exists_prefix_multi(payloads, self.keys.suffixes(page_hashes),
+                                                  key_prefix=self.keys.prefix(self._owner_key_rank()))
         # Under sharding which rank holds page i depends on the chain's rotation phase b
         # (owner of page i = (b + i) % N), which only the allocator that wrote it knew. Each
         # rank reports, for every candidate phase, how long a prefix its own stripe covers;
         # the agreement hook reduces that vector with upstream's MIN and picks the phase.
-        my_keys = self.keys.keys(page_hashes, self.shard_rank)
         n, N, r = len(page_hashes), self.shard_size, self.shard_rank
         # One store query for all phases: page i falls in class i % N, and each phase's answer is
         # one class's prefix (the store stops once every class has missed).
-        durable = self.store.exists_each(payloads, my_keys, classes=N)
+        durable = self.store.exists_each(payloads, self.keys.suffixes(page_hashes), classes=N,
+                                         key_prefix=self.keys.prefix(self.shard_rank))
         vector = []
         for b in range(N):
             first = (r - b) % N  # first page index this rank owns under phase b
-            length = n
-            for i in range(first, n, N):
-                if not durable[i]:
-                    length = i
-                    break
-            vector.append(length)
+            mine = durable[first::N]  # this phase's pages of this rank: its first miss ends the prefix
+            vector.append(first + N * mine.index(False) if False in mine else n)
         _tls.phase_vector = vector
         return max(vector)
 

@@ -34,7 +34,7 @@ from .aligned import ALIGN, aligned_buffer
 from .blob import (HEADER_BYTES, BlobError, crc32c, header_block, parse_header, payload_tag,
                    write_extent)
 from .config import L3Config
-from .index import IndexEntry, LmdbIndex, SharedIndex
+from .index import IndexEntry, LmdbIndex, SharedIndex, ikey_digest
 
 from .config import SLAB_SUBDIR  # noqa: F401  (re-exported: where the store keeps slabs)
 _SLAB_NAME = re.compile(r"^r(\d+)\.([A-Za-z0-9_-]{1,64})\.s(\d+)\.slab$")
@@ -124,7 +124,7 @@ def open_index(config: L3Config, must_exist: bool = True) -> LmdbIndex | None:
 
 
 def all_entries(index: LmdbIndex) -> list[tuple[bytes, IndexEntry]]:
-    return index._read(lambda txn: [(bytes(k), IndexEntry.unpack(v)) for k, v in txn.cursor()])
+    return index.all_entries()
 
 
 class _Reader:
@@ -265,7 +265,7 @@ def _check_entry(rep, reader, by_key, ikey, e, claimed, full) -> None:
         if h.slot != e.slot or h.payload_tag != e.payload_tag or h.length != e.length:
             last_err = (s, f"header names slot {h.slot}, tag {h.payload_tag:#x}, length {h.length}")
             continue
-        matches = h.digest == ikey[4:]
+        matches = h.digest == ikey_digest(ikey)
         claimed[(s.path, e.slot)].append((ikey, e, matches))
         if matches and full:
             try:

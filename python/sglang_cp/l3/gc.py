@@ -10,14 +10,48 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from .index import IndexEntry
+from .index import IndexEntry, ikey_digest
+
+
+class HeldDigests:
+    """key digest -> bitmask of the payload pools (of one rank's store) whose LRU holds that key. The hit
+    query maps `get` over digests: one C lookup per key for all payloads, no index keys built."""
+
+    def __init__(self):
+        self._d: dict[bytes, int] = {}
+        self.get = self._d.get
+
+    def add(self, digest: bytes, bit: int) -> None:
+        self._d[digest] = self._d.get(digest, 0) | bit
+
+    def discard(self, digest: bytes, bit: int) -> None:
+        v = self._d.get(digest, 0) & ~bit
+        if v:
+            self._d[digest] = v
+        else:
+            self._d.pop(digest, None)
+
+    def __len__(self) -> int:
+        return len(self._d)
 
 
 class PageLRU:
-    """index key -> IndexEntry, coldest first. Stamps come from last_access (ns)."""
+    """index key -> IndexEntry, coldest first. Stamps come from last_access (ns).
+    It keeps its pool's bit in a HeldDigests (shared by the store's pools, see attach) in step: set
+    after a key enters the dict, cleared after it leaves (one pool = one rank and payload, so a digest
+    names one of its keys)."""
 
     def __init__(self):
         self._od: OrderedDict[bytes, IndexEntry] = OrderedDict()
+        self.held, self.bit = HeldDigests(), 1
+
+    def attach(self, held: HeldDigests, bit: int) -> None:
+        """Share `held` with the other pools of the store, as `bit`; only while empty."""
+        assert not self._od, "attach an LRU before it holds pages"
+        self.held, self.bit = held, bit
+
+    def holds(self, digest: bytes) -> bool:
+        return bool(self.held.get(digest, 0) & self.bit)
 
     def __len__(self) -> int:
         return len(self._od)
@@ -31,12 +65,14 @@ class PageLRU:
     def add(self, ikey: bytes, entry: IndexEntry) -> None:
         self._od[ikey] = entry
         self._od.move_to_end(ikey)
+        self.held.add(ikey_digest(ikey), self.bit)
 
     def seed(self, items: list[tuple[bytes, IndexEntry]]) -> None:
         """Bulk load at recovery, ordered by the durable last_access."""
-        self._od.clear()
+        self.clear()
         for k, e in sorted(items, key=lambda kv: kv[1].last_access):
             self._od[k] = e
+            self.held.add(ikey_digest(k), self.bit)
 
     def touch(self, ikey: bytes, stamp: int) -> Optional[IndexEntry]:
         e = self._od.get(ikey)
@@ -48,7 +84,10 @@ class PageLRU:
         return e
 
     def remove(self, ikey: bytes) -> Optional[IndexEntry]:
-        return self._od.pop(ikey, None)
+        e = self._od.pop(ikey, None)
+        if e is not None:
+            self.held.discard(ikey_digest(ikey), self.bit)
+        return e
 
     def coldest(self, n: int) -> list[tuple[bytes, IndexEntry]]:
         out = []
@@ -59,7 +98,10 @@ class PageLRU:
         return out
 
     def clear(self) -> None:
+        keys = list(self._od)
         self._od.clear()
+        for k in keys:
+            self.held.discard(ikey_digest(k), self.bit)
 
 
 class WatermarkPolicy:

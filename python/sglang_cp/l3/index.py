@@ -1,4 +1,10 @@
-"""The node's shared LMDB index: (payload tag, key digest) -> (rank, disk, slot, length, last_access, seq).
+"""The node's shared LMDB index: (rank, payload tag, key digest) -> (rank, disk, slot, length, last_access, seq).
+
+Format 2 (FORMAT): an entry's key is b"R" + rank (2 B big endian) + payload tag (4 B) + key digest
+(16 B), so one rank's entries are one contiguous key range: cold start scans and deletes only its own
+(`scan_rank` / `delete_rank` are range scans), whatever the other ranks hold. The format is stamped
+under META_KEY (sorts before every entry); an index without it that holds entries is format 1 (keys
+without the rank prefix, digests of another scheme) and is refused at open: it could never hit.
 
 One environment per node, opened by every rank process (LMDB serialises writers across processes).
 `sync=True`: a committed transaction is on stable storage, which is what makes "index commit" the
@@ -23,10 +29,17 @@ from typing import Iterable, NamedTuple, Optional
 
 import lmdb
 
-from .errors import L3StartupError
+from .errors import L3InvariantError, L3StartupError
 from .files import FILE_MODE, check_private_file, fsync_dir, private_dirs
 
 _VAL = struct.Struct("<HHIIQQQ")
+FORMAT = 2
+META_KEY = b"M:format"        # value: b"%d" % FORMAT
+_ENTRY = b"R"                 # first byte of every entry key
+_RANK = struct.Struct(">H")   # big endian: a rank's keys sort together
+_TAG = struct.Struct("<I")
+IKEY_BYTES = 1 + 2 + 4 + 16
+MAX_RANKS = 1 << 16
 _READER_CHECK_INTERVAL_S = 10.0
 logger = logging.getLogger(__name__)
 _LMDB_FILES = ("data.mdb", "lock.mdb")
@@ -57,8 +70,19 @@ class IndexUnavailable(Exception):
     """LMDB failed for another reason (I/O error, disk full under the env); fail soft."""
 
 
-def index_key(tag: int, digest: bytes) -> bytes:
-    return struct.pack("<I", tag) + digest
+def key_prefix(rank: int, tag: Optional[int] = None) -> bytes:
+    """The bytes every index key of `rank` (and of payload `tag`, if given) starts with."""
+    p = _ENTRY + _RANK.pack(rank)
+    return p if tag is None else p + _TAG.pack(tag)
+
+
+def index_key(tag: int, digest: bytes, rank: int) -> bytes:
+    return key_prefix(rank, tag) + digest
+
+
+def ikey_digest(ikey: bytes) -> bytes:
+    """The key digest inside an index key (what the slot's blob header names)."""
+    return ikey[7:]
 
 
 class _RWLock:
@@ -122,10 +146,38 @@ class LmdbIndex:
             raise
         self.stale_readers_cleared = 0
         self._reader_check()
+        try:
+            self._check_format()
+        except BaseException:
+            self.env.close()
+            raise
         # Another rank may already have grown the map beyond our configured start size.
         cur = self.env.info()["map_size"]
         if cur < map_size:
             self.env.set_mapsize(map_size)
+
+    def _check_format(self) -> None:
+        """Stamp a fresh index with FORMAT; refuse one of another format before anyone writes to it.
+        Through _read/_write: another rank may be growing the map meanwhile (MapResizedError)."""
+        def stamp(txn):  # writers serialise: one opener stamps it
+            if txn.get(META_KEY) is None and txn.stat()["entries"] == 0:
+                txn.put(META_KEY, b"%d" % FORMAT)
+            return txn.get(META_KEY)
+        try:
+            raw, entries = self._read(lambda txn: (txn.get(META_KEY), txn.stat()["entries"]))
+            if raw is None and entries == 0:
+                raw = self._write(stamp)
+        except (IndexFull, IndexUnavailable) as e:
+            raise L3StartupError(f"index.dir: cannot open the LMDB index at '{self.path}' ({e}); check the "
+                                 "directory is writable and on a local filesystem") from None
+        found = 1 if raw is None else (int(raw) if raw.isdigit() else -1)
+        if found != FORMAT:
+            what = {1: "format 1, written by an older sglang-cp (keys without the rank prefix)"}.get(
+                found, f"format {raw!r}, not one this sglang-cp writes")
+            raise L3StartupError(
+                f"index.dir: the LMDB index at '{self.path}' is {what}; this version reads format {FORMAT} "
+                "only and would never hit its pages. Stop every server using it, then delete data.mdb and "
+                "lock.mdb there (its cached pages become misses) or point index.dir at a new directory")
 
     def _reader_check(self) -> int:
         """Clear reader slots left by dead processes; returns how many were cleared."""
@@ -221,18 +273,36 @@ class LmdbIndex:
             return n
         return self._read(fn)
 
+    @staticmethod
+    def _range(txn, prefix: bytes):
+        """(key, value) of every entry whose key starts with `prefix`: one B-tree seek, then in order."""
+        cur = txn.cursor()
+        if not cur.set_range(prefix):
+            return
+        for k, v in cur:
+            if not k.startswith(prefix):
+                return
+            yield k, v
+
     def scan_rank(self, rank: int) -> list[tuple[bytes, IndexEntry]]:
+        """This rank's entries: a range scan of its key prefix (other ranks' entries are not read)."""
         def fn(txn):
             out = []
-            for k, v in txn.cursor():
+            for k, v in self._range(txn, key_prefix(rank)):
                 e = IndexEntry.unpack(v)
-                if e.rank == rank:
-                    out.append((bytes(k), e))
+                if e.rank != rank:
+                    raise L3InvariantError(f"index entry {bytes(k).hex()} under rank {rank}'s prefix names rank {e.rank}")
+                out.append((bytes(k), e))
             return out
         return self._read(fn)
 
+    def all_entries(self) -> list[tuple[bytes, IndexEntry]]:
+        """Every rank's entries (tools: fsck, stats)."""
+        return self._read(lambda txn: [(bytes(k), IndexEntry.unpack(v)) for k, v in self._range(txn, _ENTRY)])
+
     def count(self) -> int:
-        return self._read(lambda txn: txn.stat()["entries"])
+        """Entries of every rank (the format stamp is not one)."""
+        return self._read(lambda txn: txn.stat()["entries"] - (txn.get(META_KEY) is not None))
 
     # -- updates ------------------------------------------------------------------------------------
 
@@ -268,11 +338,17 @@ class LmdbIndex:
         return self._write(fn)
 
     def delete_rank(self, rank: int) -> int:
+        """Delete this rank's entries: a range of its key prefix (other ranks' entries are not read)."""
+        prefix = key_prefix(rank)
+
         def fn(txn):
-            doomed = [bytes(k) for k, v in txn.cursor() if IndexEntry.unpack(v).rank == rank]
-            for k in doomed:
-                txn.delete(k)
-            return len(doomed)
+            cur = txn.cursor()
+            n = 0
+            if cur.set_range(prefix):
+                while cur.key().startswith(prefix):
+                    cur.delete()  # moves to the next entry
+                    n += 1
+            return n
         return self._write(fn)
 
     def map_size(self) -> int:

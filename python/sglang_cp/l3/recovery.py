@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .aligned import BounceBuffers
 from .blob import BlobError, check_identity
-from .index import IndexEntry, LmdbIndex
+from .index import IndexEntry, LmdbIndex, ikey_digest
 from .payload_pool import PayloadPool
 
 COLD_START_MODES = ("clear", "load", "verify")
@@ -95,7 +95,7 @@ def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadP
         try:
             h = pool.read_header(e.slot, bounce)
             check_identity(h, payload_tag=pool.tag, rank=rank, slot=e.slot, length=pool.page_bytes,
-                           digest=ikey[4:])
+                           digest=ikey_digest(ikey))
             if verify:
                 pool.verify_payload(e.slot, h, bounce)
         except BlobError as err:

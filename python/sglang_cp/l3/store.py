@@ -15,10 +15,10 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import operator
 import os
 import queue
 import re
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,13 +28,14 @@ import numpy as np
 
 from .acks import Ack, AckKind, OpState
 from .aligned import huge_aligned_view
-from .blob import BlobError, key_digest, key_digester, write_extent
+from .blob import BlobError, key_digest, key_digester, key_digests, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .files import private_dir, private_dirs
-from .gc import WatermarkPolicy
-from .index import IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
+from .gc import HeldDigests, WatermarkPolicy
+from .index import MAX_RANKS, IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
+from .index import key_prefix as index_key_prefix
 from .ownership import RankLock
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
@@ -86,7 +87,10 @@ class L3Store:
         # durability.backup_ack = "written": write_pages returns once pages are written, and this
         # process reads its own written-but-not-yet-committed pages (docs_internal/l3_write_ack.md).
         self._ack_at_write = config.backup_ack == "written"
-        self._digesters = {p: key_digester(p, rank) for p in payloads}
+        # One digest per key, shared by every payload (the payload tag keeps their index rows apart).
+        digester = key_digester(rank)
+        self._digesters = {p: digester for p in payloads}
+        self._digests = key_digests(rank)
 
         disk_i = config.disk_index_for_rank(rank)
         disk = config.disks[disk_i]
@@ -134,6 +138,9 @@ class L3Store:
                                 fault_injector=fault_injector, disk_index=disk_i, field=f"disks[{disk_i}]")
                 self._pools[p] = PayloadPool(p, b, rank, slab)
             self._by_tag = {pool.tag: pool for pool in self._pools.values()}
+            self._held = HeldDigests()  # the hit query's view of every pool's LRU (one lookup per key)
+            for i, pool in enumerate(self._pools.values()):
+                pool.lru.attach(self._held, 1 << i)
             if len(self._by_tag) != len(self._pools):
                 raise L3StartupError("payloads: two payload names hash to the same tag; rename one")
             # Allocated before cold start: a failure here must not follow a 'clear' that wiped the index.
@@ -204,7 +211,7 @@ class L3Store:
         op.ack_at_write = ack_at_write
         digest = self._digesters[payload]
         digests = [digest(k) for k in keys]
-        ikeys = [index_key(pool.tag, d) for d in digests]
+        ikeys = [index_key(pool.tag, d, self.rank) for d in digests]
         try:
             present = self._index.get_many(ikeys)
         except IndexUnavailable as e:
@@ -330,39 +337,41 @@ class L3Store:
         self._raise_fatal()
         return op.final()
 
-    def exists_prefix(self, payload: str, keys: list[bytes]) -> int:
-        return self._exists([payload], keys, 0)
+    # Hit queries. `key_prefix`: the keys asked about are key_prefix + keys[i] (a caller whose keys share
+    # a constant head passes it once instead of building every full key; the answer is the same).
 
-    def exists_prefix_multi(self, payloads: list[str], keys: list[bytes]) -> int:
-        return self._exists(payloads, keys, 0)
+    def exists_prefix(self, payload: str, keys: list[bytes], key_prefix: bytes = b"") -> int:
+        return self._exists([payload], keys, 0, key_prefix)
 
-    def exists_each(self, payloads: list[str], keys: list[bytes], classes: int = 1) -> list[bool]:
+    def exists_prefix_multi(self, payloads: list[str], keys: list[bytes], key_prefix: bytes = b"") -> int:
+        return self._exists(payloads, keys, 0, key_prefix)
+
+    def exists_each(self, payloads: list[str], keys: list[bytes], classes: int = 1,
+                    key_prefix: bytes = b"") -> list[bool]:
         """Per key: is it present in every payload? Keys fall in `classes` residue classes (key i in class
         i % classes) and only each class's prefix is answered: after a class's first miss its keys read
         False (a CP rank's hit query for every rotation phase at once)."""
         if not isinstance(classes, int) or classes < 1:
             raise ValueError(f"classes: must be an int >= 1, got {classes!r}")
-        return self._exists(payloads, keys, classes)
+        return self._exists(payloads, keys, classes, key_prefix)
 
     def _exists_rows(self, payloads: list[str], keys: list[bytes]) -> list:
         pools = [self._pool(p) for p in payloads]
         if len(pools) == 1:  # the common case: one key per row, no inner loop
-            tag, digest = struct.pack("<I", pools[0].tag), self._digesters[pools[0].name]
-            return [(tag + digest(k),) for k in keys]
-        # Column by column, then zip: a quarter less CPU than a tuple per key built by a generator.
-        cols = [[tag + digest(k) for k in keys]
-                for tag, digest in ((struct.pack("<I", pl.tag), self._digesters[pl.name]) for pl in pools)]
+            return [(k,) for k in map(index_key_prefix(self.rank, pools[0].tag).__add__, self._digests(keys))]
+        digests = self._digests(keys)
+        cols = [list(map(index_key_prefix(self.rank, pl.tag).__add__, digests)) for pl in pools]
         return list(zip(*cols))
 
     def touch(self, payload: str, keys: list[bytes]) -> None:
         pool = self._pool(payload)
         now = self._now()
         for k in keys:
-            self._touch(pool, index_key(pool.tag, key_digest(payload, self.rank, k)), now)
+            self._touch(pool, index_key(pool.tag, key_digest(self.rank, k), self.rank), now)
 
     def delete(self, payload: str, keys: list[bytes]) -> int:
         pool = self._pool(payload)
-        ikeys = [index_key(pool.tag, key_digest(payload, self.rank, k)) for k in keys]
+        ikeys = [index_key(pool.tag, key_digest(self.rank, k), self.rank) for k in keys]
         return self._control("delete", pool, ikeys)
 
     def clear(self) -> bool:
@@ -509,7 +518,7 @@ class L3Store:
         op = self._new_op(keys, sync, AckKind.READ)
         digest = self._digesters[payload]
         digests = [digest(k) for k in keys]
-        ikeys = [index_key(pool.tag, d) for d in digests]
+        ikeys = [index_key(pool.tag, d, self.rank) for d in digests]
         with self._lock:
             self._counters["reload_pages"] += len(keys)
             # Read-your-writes: look at pending pages before the index, so a page that commits in between
@@ -728,50 +737,76 @@ class L3Store:
             return t is not None and t.written and t.error is None
         return written
 
-    def _exists(self, payloads: list[str], keys: list[bytes], classes: int):
+    def _exists(self, payloads: list[str], keys: list[bytes], classes: int, key_prefix: bytes = b""):
         """Hit query without LMDB: a page is durable on this rank iff it is in its pool's LRU. The write
         thread adds it there after its index commit and removes it after its index delete, and only this
         process writes this rank's entries (cold start seeds the LRU from the index), so the LRU is this
         rank's view of the index; a membership test of the write thread's dict is atomic under the GIL.
         In the windows around a commit or delete the answer errs towards a miss, or towards a hit that
         read_pages (which asks the index) turns into a miss: never wrong bytes. classes=0: the prefix
-        length; else exists_each's flags. Digests are computed only up to the answer's end."""
+        length; else exists_each's flags.
+        Cost: one digest per key for all payloads and one C-level lookup of it in the pools' shared
+        HeldDigests (a bit per payload), over chunks that grow from 64 keys: a miss at key i costs about
+        i keys of work. Pages pending a commit or being dropped take the per-payload path."""
         self._raise_fatal()
-        cols = [(struct.pack("<I", pl.tag), self._digesters[pl.name], pl.lru)
-                for pl in [self._pool(p) for p in payloads]]
+        if not isinstance(key_prefix, bytes):
+            raise TypeError(f"key_prefix: must be bytes, got {type(key_prefix).__name__}")
+        pools = [self._pool(p) for p in payloads]
+        cols = [(index_key_prefix(self.rank, pl.tag).__add__, pl.lru.bit) for pl in pools]
+        mask = 0
+        for pl in pools:
+            mask |= pl.lru.bit
+        get = self._held.get
+        every = mask == (1 << len(self._pools)) - 1
         pending = self._written_pending()
         dropping = self._dropping or None
-
-        def present(k: bytes) -> bool:
-            for tag, digest, lru in cols:
-                ikey = tag + digest(k)
-                if ikey not in lru and (pending is None or not pending(ikey)):
-                    return False
-                if dropping is not None and ikey in dropping:
-                    return False
-            return True
-        if not classes:
-            n = 0
-            for k in keys:
-                if not present(k):
-                    break
-                n += 1
-            return n
-        out = [False] * len(keys)
-        missed = [False] * classes
-        left = classes
-        for i, k in enumerate(keys):
-            c = i % classes
-            if missed[c]:
-                continue
-            if present(k):
-                out[i] = True
+        n = len(keys)
+        flags: list = []
+        missed: set = set()
+        s, step = 0, 64
+        while s < n:
+            e = min(n, s + step)
+            step = min(step * 2, 4096)
+            digests = self._digests(keys[s:e], key_prefix)
+            held = list(map(get, digests, itertools.repeat(0, e - s)))
+            # A query of every payload of the store (the usual one) needs no masking: one pass less.
+            hit = list(map(mask.__eq__, held if every else map(mask.__and__, held)))
+            if (pending is not None and False in hit) or dropping is not None:
+                hit = self._exists_slow(cols, digests, held, pending, dropping)
+            if not classes:
+                if False in hit:
+                    return s + hit.index(False)
             else:
-                missed[c] = True
-                left -= 1
-                if not left:
+                flags += hit
+                missed.update(i % classes for i in itertools.compress(range(s, e), map(operator.not_, hit)))
+                if len(missed) == classes:
                     break
+            s = e
+        if not classes:
+            return n
+        # Each class answers its prefix only: from its first miss on, its keys read False.
+        out = flags + [False] * (n - len(flags))
+        for c in range(classes):
+            col = out[c::classes]
+            if False in col:
+                j = col.index(False)
+                out[c + j * classes::classes] = [False] * (len(col) - j)
         return out
+
+    @staticmethod
+    def _exists_slow(cols, digests, held, pending, dropping) -> list[bool]:
+        """The hit flags of one chunk payload by payload: pages written but not committed count
+        (pending), pages being dropped do not."""
+        hit = None
+        for prefixed, bit in cols:
+            h = [bool(v & bit) for v in held]
+            ikeys = list(map(prefixed, digests))
+            if pending is not None:
+                h = [x or pending(k) for x, k in zip(h, ikeys)]
+            if dropping is not None:
+                h = [x and k not in dropping for x, k in zip(h, ikeys)]
+            hit = h if hit is None else list(map(operator.and_, hit, h))
+        return hit
 
     def _touch(self, pool: PayloadPool, ikey: bytes, now: int) -> None:
         if len(self._touches) >= 65536:  # advisory: drop rather than grow without bound
@@ -960,6 +995,9 @@ def _check_args(config, rank, ranks_per_node, payloads, cold_start_mode) -> None
         raise TypeError("config: pass the L3Config returned by load_l3_config(path)")
     if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node: must be an int >= 1, got {ranks_per_node!r}")
+    if ranks_per_node > MAX_RANKS:
+        raise ValueError(f"ranks_per_node: at most {MAX_RANKS} (the index key holds the rank in 2 bytes), "
+                         f"got {ranks_per_node}")
     if not isinstance(rank, int) or not 0 <= rank < ranks_per_node:
         raise ValueError(f"rank: must be in [0, ranks_per_node={ranks_per_node}), got {rank!r}")
     if not isinstance(payloads, dict) or not payloads:

@@ -41,7 +41,7 @@ def slot_of(store: L3Store, key: bytes, payload: str = "kv") -> int:
     from sglang_cp.l3.blob import key_digest
     from sglang_cp.l3.index import index_key
     pool = store._pools[payload]
-    return pool.lru.get(index_key(pool.tag, key_digest(payload, store.rank, key))).slot
+    return pool.lru.get(index_key(pool.tag, key_digest(store.rank, key), store.rank)).slot
 
 
 def slot_offset(store: L3Store, key: bytes, payload: str = "kv") -> int:

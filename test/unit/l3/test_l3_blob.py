@@ -44,19 +44,20 @@ def test_reasons():
     with pytest.raises(BlobError) as e:
         parse_header(b"CPL3")
     assert e.value.reason == "short_header"
-    # A well-formed header of a future version is refused, not misread.
-    body = bytearray(pack_header(h)[:60])
-    body[4:6] = struct.pack("<H", 99)
-    with pytest.raises(BlobError) as e:
-        parse_header(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
-    assert e.value.reason == "bad_version"
+    # A well-formed header of a future version, or of version 1 (per-payload digests), is refused, not misread.
+    for version in (99, 1):
+        body = bytearray(pack_header(h)[:60])
+        body[4:6] = struct.pack("<H", version)
+        with pytest.raises(BlobError) as e:
+            parse_header(bytes(body) + struct.pack("<I", crc32c(bytes(body))))
+        assert e.value.reason == "bad_version"
 
 
 def test_identity_check_catches_foreign_blobs():
-    d = key_digest("kv", 0, b"k")
+    d = key_digest(0, b"k")
     h = BlobHeader(payload_tag("kv"), 0, 7, 100, d, 1, 0)
     check_identity(h, payload_tag=payload_tag("kv"), rank=0, slot=7, length=100, digest=d)
-    for kw in (dict(slot=8), dict(rank=1), dict(length=101), dict(digest=key_digest("kv", 0, b"other")),
+    for kw in (dict(slot=8), dict(rank=1), dict(length=101), dict(digest=key_digest(0, b"other")),
                dict(payload_tag=payload_tag("ix"))):
         args = dict(dict(payload_tag=payload_tag("kv"), rank=0, slot=7, length=100, digest=d), **kw)
         with pytest.raises(BlobError) as e:
@@ -64,9 +65,10 @@ def test_identity_check_catches_foreign_blobs():
         assert e.value.reason == "foreign_blob"
 
 
-def test_digest_separates_payload_rank_and_key():
-    ds = {key_digest(p, r, k) for p in ("kv", "ix") for r in (0, 1) for k in (b"a", b"b")}
-    assert len(ds) == 8
+def test_digest_separates_rank_and_key():
+    ds = {key_digest(r, k) for r in (0, 1, 10) for k in (b"a", b"b", b"")}
+    assert len(ds) == 9
+    assert key_digest(1, b"0a") != key_digest(10, b"a")  # the rank is not a key prefix
 
 
 @pytest.mark.parametrize("page, extent", [(3274752, 3276800), (3276800, 3280896), (65536, 69632),

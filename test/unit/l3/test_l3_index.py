@@ -14,8 +14,8 @@ def e(slot, rank=0, seq=1, la=1):
     return IndexEntry(rank, 0, slot, 7, 4096, la, seq)
 
 
-def k(i):
-    return index_key(7, i.to_bytes(16, "little"))
+def k(i, rank=0):
+    return index_key(7, i.to_bytes(16, "little"), rank)
 
 
 def test_put_get_prefix(l3_root):
@@ -43,7 +43,7 @@ def test_conditional_delete_and_touch(l3_root):
 
 def test_scan_and_delete_rank(l3_root):
     ix = LmdbIndex(os.path.join(l3_root, "idx"), 1 << 20, 1 << 22)
-    ix.commit(puts=[(k(i), e(i, rank=i % 2)) for i in range(10)])
+    ix.commit(puts=[(k(i, i % 2), e(i, rank=i % 2)) for i in range(10)])
     assert sorted(x.slot for _, x in ix.scan_rank(1)) == [1, 3, 5, 7, 9]
     assert ix.delete_rank(1) == 5
     assert ix.count() == 5 and not ix.scan_rank(1)
@@ -69,7 +69,7 @@ CHILD = textwrap.dedent("""
     path, rank = sys.argv[1], int(sys.argv[2])
     ix = LmdbIndex(path, 64 << 10, 64 << 20)
     for b in range(20):
-        ix.commit(puts=[(index_key(rank, (b * 50 + i).to_bytes(16, "little")),
+        ix.commit(puts=[(index_key(rank, (b * 50 + i).to_bytes(16, "little"), rank),
                          IndexEntry(rank, 0, b * 50 + i, rank, 4096, 1, 1)) for i in range(50)])
     print(ix.map_size())
 """)

@@ -39,7 +39,7 @@ def test_load_restores_pages_lru_and_never_reuses_live_slots(make_store):
         # The persisted touches come back: the 5 touched pages are the warmest after the restart.
         pool = t._pools["kv"]
         warmest = {k for k, _ in pool.lru.coldest(30)[-5:]}
-        assert warmest == {index_key(pool.tag, key_digest("kv", 0, k)) for k in ks[:5]}
+        assert warmest == {index_key(pool.tag, key_digest(0, k), 0) for k in ks[:5]}
         ok, o = read_all(t, ks)
         assert all(ok) and all(bytes(o[i]) == page(i) for i in range(30))
         live_slots = {e.slot for _, e in t._pools["kv"].lru.coldest(1000)}

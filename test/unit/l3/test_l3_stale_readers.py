@@ -35,7 +35,7 @@ COMMITS = 300
 
 
 def k(i):
-    return index_key(7, i.to_bytes(16, "little"))
+    return index_key(7, i.to_bytes(16, "little"), 0)
 
 
 def e(i, seq):

@@ -11,7 +11,7 @@ import pytest
 
 from l3_helpers import config_doc, page
 from sglang_cp.l3 import L3ConfigError, parse_l3_config
-from sglang_cp.l3.blob import key_digest, key_digester
+from sglang_cp.l3.blob import key_digest, key_digester, key_digests
 
 P = 16384
 
@@ -131,8 +131,9 @@ def test_exists_each_answers_each_residue_class_prefix(make_store):
 
 
 def test_key_digester_matches_key_digest():
-    for payload, rank, key in [("kv", 0, b""), ("indexer", 7, b"x" * 300), ("kv", 12, b"abc/0of8/ff")]:
-        assert key_digester(payload, rank)(key) == key_digest(payload, rank, key)
+    for rank, key in [(0, b""), (7, b"x" * 300), (12, b"abc/0of8/ff")]:
+        assert key_digester(rank)(key) == key_digest(rank, key)
+        assert key_digests(rank)([key, b"y", key]) == [key_digest(rank, key), key_digest(rank, b"y"), key_digest(rank, key)]
 
 
 def test_backup_ack_is_validated(l3_root):
