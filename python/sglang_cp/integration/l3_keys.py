@@ -75,5 +75,4 @@ class KeyScheme:
 
     def keys(self, page_hashes, owner: int) -> list[bytes]:
         """[self.key(h, owner) for h in page_hashes], the constant part built once (the hit query's keys)."""
-        head = self.key("", owner).decode()
-        return [f"{head}{h}".encode() for h in page_hashes]
+        return list(map(self.prefix(owner).__add__, self.suffixes(page_hashes)))

@@ -28,7 +28,7 @@ import numpy as np
 
 from .acks import Ack, AckKind, OpState
 from .aligned import huge_aligned_view
-from .blob import BlobError, key_digest, key_digester, key_digests, write_extent
+from .blob import BlobError, key_digester, key_digests, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
@@ -88,8 +88,7 @@ class L3Store:
         # process reads its own written-but-not-yet-committed pages (docs_internal/l3_write_ack.md).
         self._ack_at_write = config.backup_ack == "written"
         # One digest per key, shared by every payload (the payload tag keeps their index rows apart).
-        digester = key_digester(rank)
-        self._digesters = {p: digester for p in payloads}
+        self._digest = key_digester(rank)
         self._digests = key_digests(rank)
 
         disk_i = config.disk_index_for_rank(rank)
@@ -209,8 +208,7 @@ class L3Store:
         views = [self._page_view(pool, pg, i, "pages", writable=False) for i, pg in enumerate(pages)]
         op = self._new_op(keys, sync, AckKind.DURABLE)  # after validation: a refused call leaves no op
         op.ack_at_write = ack_at_write
-        digest = self._digesters[payload]
-        digests = [digest(k) for k in keys]
+        digests = list(map(self._digest, keys))
         ikeys = [index_key(pool.tag, d, self.rank) for d in digests]
         try:
             present = self._index.get_many(ikeys)
@@ -367,11 +365,11 @@ class L3Store:
         pool = self._pool(payload)
         now = self._now()
         for k in keys:
-            self._touch(pool, index_key(pool.tag, key_digest(self.rank, k), self.rank), now)
+            self._touch(pool, index_key(pool.tag, self._digest(k), self.rank), now)
 
     def delete(self, payload: str, keys: list[bytes]) -> int:
         pool = self._pool(payload)
-        ikeys = [index_key(pool.tag, key_digest(self.rank, k), self.rank) for k in keys]
+        ikeys = [index_key(pool.tag, self._digest(k), self.rank) for k in keys]
         return self._control("delete", pool, ikeys)
 
     def clear(self) -> bool:
@@ -516,8 +514,7 @@ class L3Store:
             raise ValueError(f"submit_read: {len(keys)} keys but {len(outs)} outs; pass one buffer per key")
         views = [self._page_view(pool, o, i, "outs", writable=True) for i, o in enumerate(outs)]
         op = self._new_op(keys, sync, AckKind.READ)
-        digest = self._digesters[payload]
-        digests = [digest(k) for k in keys]
+        digests = list(map(self._digest, keys))
         ikeys = [index_key(pool.tag, d, self.rank) for d in digests]
         with self._lock:
             self._counters["reload_pages"] += len(keys)
