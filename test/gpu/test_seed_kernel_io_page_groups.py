@@ -49,6 +49,11 @@ def _chain(mode: str) -> dict:
         HookRegistry.apply_hooks()
 
     out = {}
+    # Every stack stays referenced until the child exits: upstream's host pools register
+    # their buffers with cudaHostRegister and only destroy() unregisters them, so a freed
+    # pool's memory handed to the next pool fails with 712 (already registered; seen on
+    # the H200, where the fourth stack of this chain reused the first one's memory).
+    alive = []
     torn = _ported._torn_dsa_group()  # page 3, then page 1 backwards
     good = torch.cat([torch.arange(192, 256), torch.arange(128, 192)])  # pages 3, 2
     dev_slots = torch.arange(256, 384, device="cuda")  # device pages 4, 5
@@ -60,6 +65,7 @@ def _chain(mode: str) -> dict:
                 _, _, indexer, group = _ported._dsa_stack(
                     shard_size=shard_size, shard_rank=rank, device="cuda"
                 )
+                alive.append(group)
                 target = group.anchor_entry.device_pool
                 ctrl = _ported._kernel_io_controller(group, shard_size > 1, device="cuda")
                 try:
@@ -76,6 +82,7 @@ def _chain(mode: str) -> dict:
 
         # Well-formed pages: moved, copied by the real kernel, right bytes in the right pages.
         _, _, indexer, group = _ported._dsa_stack(device="cuda")
+        alive.append(group)
         target = group.anchor_entry.device_pool
         for page in range(indexer.index_k_with_scale_buffer.shape[1]):
             indexer.index_k_with_scale_buffer[:, page].fill_(page)
@@ -89,7 +96,8 @@ def _chain(mode: str) -> dict:
         out["kernel_io_well_formed"] = "ok" if got == [[3] * 8, [2] * 8] else f"wrong bytes: {got}"
 
         # MLA direct copy with the real sgl_kernel transfer_kv_direct (CPU indices, page_size=64).
-        target, kv, _, _ = _ported._dsa_stack(layout="layer_first", device="cuda")
+        target, kv, _, group = _ported._dsa_stack(layout="layer_first", device="cuda")
+        alive.append(group)
         try:
             kv.load_to_device_per_layer(target, torn, torch.arange(256, 384), 0, "direct")
             torch.cuda.synchronize()
