@@ -21,7 +21,9 @@ against the disk's own in that run.
 
 ``--disks DIR0,DIR1``: also run CP=2 with ``rank_to_disk`` mapping rank i to DIR i (two
 devices: each rank's slab and I/O on its own filesystem; the index stays under --dir), with
-its own raw row over the same two directories.
+its own raw row over the same two directories, and print each CP=2 rank against the raw writer
+on its own device. Two directories on one filesystem are refused; two on one disk underneath
+(loop images on it) run with a warning, since they cannot show scaling.
 
     python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
         [--backup-ack durable|written|both] [--phases]
@@ -200,26 +202,26 @@ def run_raw(world, dirs, args, pages):
                 with ThreadPoolExecutor(args.threads) as ex:
                     list(ex.map(lambda p: os.pwrite(fds[i], src, p * nbytes), range(n_pages)))
                 os.fdatasync(fds[i])
+                return time.perf_counter()  # this writer's own end: the per-rank raw figure (--disks)
 
             def reader(i):
                 def one(p):
                     assert os.preadv(fds[i], [dst_bufs[i * args.threads + p % args.threads]], p * nbytes) == nbytes
                 with ThreadPoolExecutor(args.threads) as ex:
                     list(ex.map(one, range(n_pages)))
+                return time.perf_counter()
             t0 = time.perf_counter()
             with ThreadPoolExecutor(world) as ex:
-                list(ex.map(writer, range(world)))
-            tw = time.perf_counter() - t0
+                tw = [t - t0 for t in ex.map(writer, range(world))]
             dropped = drop_caches()
             t0 = time.perf_counter()
             with ThreadPoolExecutor(world) as ex:
-                list(ex.map(reader, range(world)))
-            tr = time.perf_counter() - t0
+                tr = [t - t0 for t in ex.map(reader, range(world))]
         finally:
             for i, fd in enumerate(fds):
                 os.close(fd)
                 os.unlink(os.path.join(dirs[i % len(dirs)], f"raw-{i}.bin"))
-        out.append([{"rank": i, "owned_pages": n_pages, "page_bytes": nbytes, "t_write": tw, "t_read": tr,
+        out.append([{"rank": i, "owned_pages": n_pages, "page_bytes": nbytes, "t_write": tw[i], "t_read": tr[i],
                      "dropped": dropped if i == 0 else None} for i in range(world)])
     return out
 
@@ -290,6 +292,9 @@ def summarize(name, results):
     def med(xs):
         return statistics.median(xs), min(xs), max(xs)
 
+    def rk(i, t):
+        return [(r["owned_pages"] * r["page_bytes"], r[t]) for rep in results for r in rep if r["rank"] == i]
+
     per_rank_bytes = [max(r["owned_pages"] * r["page_bytes"] for r in rep) for rep in results]
     w = [max(r["t_write"] for r in rep) for rep in results]  # all ranks done = end to end
     rd = [max(r["t_read"] for r in rep) for rep in results]
@@ -301,6 +306,11 @@ def summarize(name, results):
            "node_write_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, w)]),
            "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
            "dropped": all(r["dropped"] for rep in results for r in rep if r["dropped"] is not None)}
+    # Per rank (each rank's own bytes / its own time): the --disks table sets these against the raw
+    # writer on the same device.
+    out["per_rank"] = [{"rank": i, "write_gbps": med([b / t / 1e9 for b, t in rk(i, "t_write")]),
+                        "read_gbps": med([b / t / 1e9 for b, t in rk(i, "t_read")])}
+                       for i in range(len(results[0]))]
     reports = [r["phases"] for rep in results for r in rep if r.get("phases")]
     if reports:  # per phase: medians over every (rep, rank) of first start, last end, busy sum, count
         out["phases"] = {ph: {k: statistics.median(rp[ph][k] if ph in rp else 0.0 for rp in reports)
@@ -335,6 +345,58 @@ def print_phases(console, summaries):
             else:
                 cells.append(f"{d['first'] * 1e3:.0f}/{d['last'] * 1e3:.0f}/{d['sum'] * 1e3:.0f}/{d['n']:g}")
         t.add_row(f"{s['name']}, {s['pages']} pages", *cells)
+    console.print(t)
+
+
+def check_disks(disks):
+    """--disks must be two devices. One filesystem (same st_dev) is refused; one disk underneath (loop
+    images on it, a single-member LVM volume) runs with a loud warning: ranks on it share its bandwidth,
+    so no per-rank scaling can show. Returns (device name per dir, why they share one or None)."""
+    from sglang_cp.l3.devices import disk_chain, shared_device
+
+    st = [os.stat(x).st_dev for x in disks]
+    why = shared_device(*disks)
+    if st[0] == st[1]:
+        raise SystemExit(f"--disks: {disks[0]} and {disks[1]} are on {why or 'one filesystem'}; pass directories "
+                         "on two devices (two mounts), or drop --disks")
+    names = [" -> ".join(disk_chain(x)) or f"dev {os.major(d)}:{os.minor(d)}" for x, d in zip(disks, st)]
+    if why:
+        print(f"\n{'!' * 100}\nWARNING --disks: {disks[0]} and {disks[1]} are on {why}. The two 'disks' share "
+              f"one device, so the 2-disk rows cannot show per-rank scaling with disks.\n{'!' * 100}\n",
+              file=sys.stderr, flush=True)
+    return names, why
+
+
+def print_per_rank(console, group, pages, devices, shared):
+    """--disks: every CP=2 row of ours, rank by rank, against the raw writer on that rank's device in this
+    run (the raw row with as many writers on the same directories: writer i runs where rank i does)."""
+    from rich.table import Table
+
+    raw = {s["disks"]: s for s in group if s["name"].startswith("raw") and s["world"] == 2}
+    ours = [s for s in group if s["name"].startswith("ours") and s["world"] == 2]
+    one = {s["backup_ack"]: s for s in ours if s["disks"] == 1}
+    t = Table(title=f"Per rank, {pages} pages, CP=2 sharded: each rank's GB/s (its bytes / its own time), median "
+                    "(min-max), against the raw writer on its own device in this run (2 writers at once, writer i "
+                    "where rank i is); 'x one disk' = the same rank in the one-disk row"
+                    + (f". WARNING: the two --disks are on {shared}: no scaling can show" if shared else ""))
+    for col in ("config", "rank", "device", "write GB/s", "raw write GB/s", "W x raw", "read GB/s",
+                "raw read GB/s", "R x raw", "W x one disk", "R x one disk"):
+        t.add_column(col, justify="right")
+
+    def fmt(v):
+        return f"{v[0]:.2f} ({v[1]:.2f}-{v[2]:.2f})"
+    for s in ours:
+        r, base = raw.get(s["disks"]), one.get(s["backup_ack"]) if s["disks"] == 2 else None
+        for i, pr in enumerate(s["per_rank"]):
+            rr = r["per_rank"][i] if r else None
+            b = base["per_rank"][i] if base else None
+            t.add_row(s["name"], str(i), devices[s["disks"]][i], fmt(pr["write_gbps"]),
+                      fmt(rr["write_gbps"]) if rr else "-",
+                      f"{pr['write_gbps'][0] / rr['write_gbps'][0]:.2f}x" if rr else "-",
+                      fmt(pr["read_gbps"]), fmt(rr["read_gbps"]) if rr else "-",
+                      f"{pr['read_gbps'][0] / rr['read_gbps'][0]:.2f}x" if rr else "-",
+                      f"{pr['write_gbps'][0] / b['write_gbps'][0]:.2f}x" if b else "-",
+                      f"{pr['read_gbps'][0] / b['read_gbps'][0]:.2f}x" if b else "-")
     console.print(t)
 
 
@@ -375,6 +437,7 @@ def main():
     if disks:
         if len(disks) != 2 or not all(os.path.isdir(x) for x in disks):
             raise SystemExit("--disks: pass two existing directories, DIR0,DIR1, on two devices")
+        disk_names, shared = check_disks(disks)
         configs += [("raw O_DIRECT, 2 writers, 2 disks", "raw", 2, True, disks),
                     ("ours, CP=2 sharded, 2 disks", "cp_l3", 2, True, disks)]
     if args.configs:
@@ -427,6 +490,11 @@ def main():
                           f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
                           f"{base['read_s'][0] / s['read_s'][0]:.2f}x")
         console.print(table)
+        if disks:
+            from sglang_cp.l3.devices import disk_chain
+
+            one = " -> ".join(disk_chain(args.dir)) or args.dir
+            print_per_rank(console, group, pages, {1: [one, one], 2: disk_names}, shared)
     print_phases(console, summaries)
     print("page cache dropped before every cold read:", all(s["dropped"] for s in summaries))
     print("node = all ranks' bytes / time until the last rank is done; 'x raw' = against the raw row with as many "

@@ -54,3 +54,18 @@ def test_bench_cp_l3_smoke(disk_tmp):
     for s in rows[2:]:
         assert s["phases"]["pwrite"]["n"] >= 1 and s["phases"]["upstream_ack"]["last"] > 0, s
     assert rows[2]["phases"]["index_commit"]["n"] >= 1, rows[2]
+
+
+def test_bench_cp_l3_refuses_disks_on_one_filesystem(disk_tmp):
+    """--disks on one filesystem would report 'scaling with disks' that is one disk's bandwidth split in
+    two: refused before anything runs (two loop devices on one disk only warn: l3/devices.py)."""
+    a, b = disk_tmp / "a", disk_tmp / "b"
+    a.mkdir()
+    b.mkdir()
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+         str(disk_tmp), "--disks", f"{a},{b}"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert f"--disks: {a} and {b} are on the same filesystem (device " in proc.stderr, proc.stderr[-3000:]
+    assert sorted(os.listdir(disk_tmp)) == ["a", "b"], "nothing may run before the refusal"

@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the project runs on 3.11; tomli is the backport
     import tomli as tomllib
 
+from .devices import shared_device_pairs
 from .errors import L3ConfigError
 from .plp import PlpProbe, probe_write_cache
 
@@ -37,6 +38,7 @@ MAX_DISK_BYTES = 2**62            # a slab is one file: its size must be a valid
 MAX_MAP_BYTES = 2**46             # LMDB maps the whole map: 64 TiB is half of x86-64 user address space
 MAX_INFLIGHT_PAGES = 65536        # staging holds this many slot images per payload, allocated at open
 _warned_devices: set[str] = set()
+_warned_shared: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -341,6 +343,20 @@ def _apply_plp_policy(policy: str, disks: tuple[DiskConfig, ...]) -> tuple[PlpPr
     return probes
 
 
+def _warn_shared_devices(disks: tuple[DiskConfig, ...]) -> None:
+    """[[disks]] entries are meant to be separate devices; two on one device is allowed (tests, a box with
+    one disk) but ranks mapped to them share its bandwidth, so say so once per pair (docs_internal/l3_store.md)."""
+    for i, j, why in shared_device_pairs([d.path for d in disks]):
+        key = (disks[i].path, disks[j].path)
+        if key in _warned_shared:
+            continue
+        _warned_shared.add(key)
+        logger.warning(
+            "L3: disks[%d].path '%s' and disks[%d].path '%s' are on %s: ranks that rank_to_disk maps to them "
+            "share that device's bandwidth, so the second entry adds no I/O capacity; list one [[disks]] entry "
+            "per device (sharing one device is allowed, e.g. for tests)", i, disks[i].path, j, disks[j].path, why)
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -365,6 +381,7 @@ def parse_l3_config(doc: dict[str, Any], source: Optional[str] = None) -> L3Conf
     r2d = _parse_rank_to_disk(doc, disks)
     slots = _parse_slot_bytes(doc)
     probes = _apply_plp_policy(policy, disks)
+    _warn_shared_devices(disks)
     return L3Config(index=index, disks=disks, gc=gc, io=io, plp_policy=policy, rank_to_disk=r2d,
                     slot_bytes=slots, plp_probes=probes, source=source, namespace=namespace,
                     backup_ack=backup_ack)
