@@ -330,7 +330,9 @@ class L3Store:
         pages are copied into staging first (nothing reads `pages` after the return) and a page not
         durable in time is reported False (it may still become durable later: it is then a hit with
         its exact bytes). Without one, aligned pages are written straight from `pages` (no copy) and
-        the call waits as long as the device takes. Under durability.backup_ack = "written" a page is
+        the call waits as long as the device takes. With one and io.zero_copy_writes, aligned pages are
+        written straight from `pages` too; a write still reading them at the deadline is abandoned (never
+        indexed: the caller may reuse its memory once we return). Under durability.backup_ack = "written" a page is
         True once written to its slot (readable by this store at once, durable when its group commit
         lands; a failed commit makes it a later miss)."""
         deadline = None if timeout is None else time.monotonic() + timeout
