@@ -332,9 +332,9 @@ class L3Store:
         its exact bytes). Without one, aligned pages are written straight from `pages` (no copy) and
         the call waits as long as the device takes. With one and io.zero_copy_writes, aligned pages are
         written straight from `pages` too; a write still reading them at the deadline is abandoned (never
-        indexed: the caller may reuse its memory once we return). Under durability.backup_ack = "written" a page is
-        True once written to its slot (readable by this store at once, durable when its group commit
-        lands; a failed commit makes it a later miss)."""
+        indexed: the caller may reuse its memory once we return). Under durability.backup_ack =
+        "written" a page is True once written to its slot (readable by this store at once, durable when
+        its group commit lands; a failed commit makes it a later miss)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         zero_copy = timeout is None or self.config.io.zero_copy_writes
         op = self._submit_write(payload, keys, pages, True, zero_copy=zero_copy, deadline=deadline,
