@@ -157,7 +157,8 @@ def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages
         t_read = time.perf_counter() - t1
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         zero_copy_pages = r.backend.store.stats()["counters"]["zero_copy_pages"] if backend == "cp_l3" else 0
-        return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes, "backed": backed,
+        return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
+                "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "hit": hit, "completed": completed,
                 "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report}
     finally:
