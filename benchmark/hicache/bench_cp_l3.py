@@ -26,7 +26,7 @@ on its own device. Two directories on one filesystem are refused; two on one dis
 (loop images on it) run with a warning, since they cannot show scaling.
 
     python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
-        [--backup-ack durable|written|both] [--phases]
+        [--backup-ack durable|written|both] [--zero-copy off|on|both] [--phases]
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages
         hit, completed, hi2 = r.prefetch(tokens, timeout=600)
         t_read = time.perf_counter() - t1
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
-        return {"rank": rank, "owned_pages": owned, "page_bytes": r.page_nbytes, "backed": backed,
+        zero_copy_pages = r.backend.store.stats()["counters"]["zero_copy_pages"] if backend == "cp_l3" else 0
+        return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
+                "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "hit": hit, "completed": completed,
                 "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report}
     finally:
@@ -250,7 +252,7 @@ capacity_gb = {capacity_gb}
 """
 
 
-def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable"):
+def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable", zero_copy=False):
     from sglang_cp.cli import write_demo_config
 
     results = []
@@ -274,6 +276,12 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
             assert "[durability]\n" in text, cfg
             with open(cfg, "w") as f:
                 f.write(text.replace("[durability]\n", f'[durability]\nbackup_ack = "{ack}"\n', 1))
+        if zero_copy:  # io.zero_copy_writes (docs_internal/l3_store.md, "Zero-copy writes under a timeout")
+            with open(cfg) as f:
+                text = f.read()
+            assert "[[disks]]\n" in text and "[io]" not in text, cfg
+            with open(cfg, "w") as f:
+                f.write(text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1))
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
@@ -281,6 +289,9 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         for r in res:
             if r["equal"] != r["checked"] or r["completed"] != pages * PAGE:
                 raise SystemExit(f"{name}: data check failed on rank {r['rank']}: {r}")
+            if zero_copy and r["zero_copy_pages"] != r["owned_pages"]:  # the row must measure what it names
+                raise SystemExit(f"{name}: rank {r['rank']} wrote {r['zero_copy_pages']} of {r['owned_pages']} "
+                                 "pages zero-copy (host pool pages not 4 KiB-aligned?)")
         results.append(res)
         shutil.rmtree(root, ignore_errors=True)
         for x in subs:
@@ -414,6 +425,8 @@ def main():
     p.add_argument("--configs", default=None, help="';'-separated subset of row names (default: all; the file row always runs)")
     p.add_argument("--backup-ack", default="durable", choices=("durable", "written", "both"),
                    help="durability.backup_ack of our rows; 'both' adds a 'written' row after each durable one")
+    p.add_argument("--zero-copy", default="off", choices=("off", "on", "both"),
+                   help="io.zero_copy_writes of our rows; 'both' adds a 'zero-copy' row after each copying one")
     p.add_argument("--phases", action="store_true",
                    help="record per-phase timestamps of each rank's backup in our rows and print where the time goes")
     args = p.parse_args()
@@ -444,23 +457,27 @@ def main():
         keep = set(args.configs.split(";"))
         configs = [c for c in configs if c[0] in keep or c[0].startswith("upstream")]
     acks = {"durable": ["durable"], "written": ["written"], "both": ["durable", "written"]}[args.backup_ack]
+    zcs = {"off": [False], "on": [True], "both": [False, True]}[args.zero_copy]
     rows = []
     for name, backend, world, sharded, dk in configs:
         if backend != "cp_l3":
-            rows.append((name, backend, world, sharded, dk, "durable"))
+            rows.append((name, backend, world, sharded, dk, "durable", False))
             continue
         for ack in acks:
-            rows.append((name if ack == "durable" else f"{name}, ack written", backend, world, sharded, dk, ack))
+            for zc in zcs:
+                label = name + (", ack written" if ack != "durable" else "") + (", zero-copy" if zc else "")
+                rows.append((label, backend, world, sharded, dk, ack, zc))
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
     try:
         for pages in sizes:
-            for name, backend, world, sharded, dk, ack in tqdm(rows, desc=f"configs, {pages} pages"):
+            for name, backend, world, sharded, dk, ack, zc in tqdm(rows, desc=f"configs, {pages} pages"):
                 if backend == "raw":
                     s = summarize(name, run_raw(world, dk or [workdir], args, pages))
                 else:
-                    s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack))
-                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack)
+                    s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack,
+                                                   zc))
+                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc)
                 summaries.append(s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

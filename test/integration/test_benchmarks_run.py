@@ -39,7 +39,7 @@ def test_bench_cp_l3_smoke(disk_tmp):
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
-         str(disk_tmp), "--json", str(out), "--phases", "--backup-ack", "both",
+         str(disk_tmp), "--json", str(out), "--phases", "--backup-ack", "both", "--zero-copy", "both",
          "--configs", "raw O_DIRECT, 2 writers;ours, CP=2 sharded"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     # The script exits non-zero when any rank reloads wrong bytes or fewer tokens than it wrote.
@@ -49,7 +49,10 @@ def test_bench_cp_l3_smoke(disk_tmp):
     rows = json.loads(out.read_text())
     names = [s["name"] for s in rows]
     assert names == ["upstream file, CP=1", "raw O_DIRECT, 2 writers", "ours, CP=2 sharded",
-                     "ours, CP=2 sharded, ack written"], names
+                     "ours, CP=2 sharded, zero-copy", "ours, CP=2 sharded, ack written",
+                     "ours, CP=2 sharded, ack written, zero-copy"], names
+    # The script exits non-zero unless every page of a zero-copy row was written zero-copy.
+    assert [s["zero_copy"] for s in rows[2:]] == [False, True, False, True]
     # --phases: every row of ours says when its pages were written, flushed and indexed.
     for s in rows[2:]:
         assert s["phases"]["pwrite"]["n"] >= 1 and s["phases"]["upstream_ack"]["last"] > 0, s

@@ -17,9 +17,15 @@ BOUND = 1.0
 SLACK = 5.0
 
 
-@pytest.fixture
-def l3cfg(disk_tmp):
-    return write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
+@pytest.fixture(params=[False, True], ids=["copy", "zero_copy_writes"])
+def l3cfg(disk_tmp, request):
+    path = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
+    if request.param:  # io.zero_copy_writes: backups written straight from upstream's host pages
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1))
+    return path, request.param
 
 
 def hung_disk(rank, world, port, l3_config, n_pages):
@@ -57,6 +63,7 @@ def hung_disk(rank, world, port, l3_config, n_pages):
         hi = r.alloc_host(n_pages * PAGE)
         r.fill(hi, n_pages)
         out["backed_healthy"] = r.backup(tokens, hi)
+        out["zero_copy_pages"] = store.stats()["counters"]["zero_copy_pages"]
         # Reads never come back: the prefetch must end, with nothing loaded.
         stalled["ops"] = {"read"}
         r.zero_host()
@@ -82,10 +89,13 @@ def hung_disk(rank, world, port, l3_config, n_pages):
 
 def test_hung_disk_never_wedges_backup_prefetch_or_shutdown(l3cfg):
     n_pages = 4
-    (res,) = run_ranks(1, hung_disk, (l3cfg, n_pages), timeout=300)
+    cfg, zero_copy = l3cfg
+    (res,) = run_ranks(1, hung_disk, (cfg, n_pages), timeout=300)
     print(f"hung disk, bounds {BOUND} s: prefetch returned after {res['prefetch_s']:.2f} s, backup after "
           f"{res['backup_s']:.2f} s, shutdown after {res['close_s']:.2f} s")
     assert res["backed_healthy"] == n_pages * PAGE, res
+    # The healthy backup went from the host pool itself when the flag is on (upstream's pool is page-aligned).
+    assert res["zero_copy_pages"] == (n_pages if zero_copy else 0), res
     assert res["prefetch"] != "no ack", f"prefetch still waiting for a read that never returns: {res}"
     hit, completed = res["prefetch"]
     assert hit == n_pages * PAGE and completed == 0, res  # the index has them; none could be read

@@ -69,7 +69,9 @@ TRAILING_POOLS = frozenset(n.value for n in (
 # land in the store's own memory, so nothing reaches the host pages after read_pages
 # returned. Past WRITE_TIMEOUT_S the pages not yet durable are reported not written; with a
 # timeout the store copies the host pages into its staging memory first, so it never reads
-# them after write_pages returned (upstream may free or reuse them then).
+# them after write_pages returned (upstream may free or reuse them then). Under the L3
+# config's io.zero_copy_writes it writes aligned host pages directly instead, and a write
+# still running at the timeout is never indexed (docs_internal/l3_store.md).
 READ_TIMEOUT_S = 60.0
 WRITE_TIMEOUT_S = 60.0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +41,9 @@ class OpState:
         self.cond = threading.Condition()
         self.cancelled = False
         self.running = 0  # pages whose I/O touches caller memory right now
+        # The caller returned while some of that I/O was still running (io.zero_copy_writes under a
+        # timeout): its memory may have changed under those writes, so none of them may be indexed.
+        self.abandoned = False
         self.on_done = None
         # write_pages under durability.backup_ack = "written": a page's result is final once its pwrite
         # returned (its group commit follows); see docs_internal/l3_write_ack.md.
@@ -70,22 +74,34 @@ class OpState:
             self.running += 1
             return True
 
-    def end_io(self) -> None:
+    def end_io(self) -> bool:
+        """True when the caller gave up waiting for this I/O (its memory may have changed under it)."""
         with self.cond:
             self.running -= 1
             self.cond.notify_all()
+            return self.abandoned
 
     def cancel(self) -> None:
         """Stop pages that have not started touching caller memory; do not wait for the others."""
         with self.cond:
             self.cancelled = True
 
-    def cancel_and_quiesce(self) -> None:
-        """Stop pages that have not started; wait for those already writing into caller memory."""
+    def cancel_and_quiesce(self, deadline: Optional[float] = None) -> bool:
+        """Stop pages that have not started; wait for those already touching caller memory, until
+        `deadline` (time.monotonic) if given. False: some still run and the op is abandoned from now on
+        (their end_io returns True)."""
         with self.cond:
             self.cancelled = True
             while self.running:
-                self.cond.wait()
+                if deadline is None:
+                    self.cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.abandoned = True
+                    return False
+                self.cond.wait(left)
+            return True
 
     def final(self) -> list[bool]:
         return [bool(r) for r in self.results]

@@ -59,6 +59,10 @@ class GcConfig:
 class IoConfig:
     threads: int = 4
     max_inflight_pages: int = 64
+    # write_pages with a timeout (upstream's backup path) writes 4 KiB-aligned pages straight from the
+    # caller's memory instead of copying them into staging; a page whose I/O outlives the caller's
+    # bound is never indexed. docs_internal/l3_store.md, "Zero-copy writes under a timeout".
+    zero_copy_writes: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ _SCHEMA: dict[str, set[str]] = {
     "index": {"dir", "map_size_gb", "max_map_size_gb"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
     "durability": {"plp_policy", "backup_ack"},
-    "io": {"threads", "max_inflight_pages"},
+    "io": {"threads", "max_inflight_pages", "zero_copy_writes"},
     "disks": {"name", "path", "capacity_gb"},
 }
 
@@ -248,7 +252,11 @@ def _parse_io(doc: dict) -> IoConfig:
         raise L3ConfigError(
             f"io.max_inflight_pages: must be >= 1 and <= {MAX_INFLIGHT_PAGES}, got {inflight} (the store allocates "
             "this many page-sized staging buffers per payload at open); the default is 64")
-    return IoConfig(threads, inflight)
+    zero_copy = t.get("zero_copy_writes", False)
+    if not isinstance(zero_copy, bool):
+        raise L3ConfigError(f"io.zero_copy_writes: must be true or false, got {type(zero_copy).__name__} "
+                            f"{zero_copy!r}; the default is false")
+    return IoConfig(threads, inflight, zero_copy)
 
 
 def _parse_disks(doc: dict) -> tuple[DiskConfig, ...]:

@@ -88,6 +88,22 @@ class Staging:
             self._free[extent].append(buf)
         self._sem.release()
 
+    def reserve(self, blocking: bool = True, deadline: Optional[float] = None) -> bool:
+        """A token without a slot image: a zero-copy page written under a caller's bound counts against
+        the same in-flight limit as a staged one (a stuck disk keeps it, like a staged page's)."""
+        if not self._sem.acquire(blocking, deadline):
+            return False
+        with self._lock:
+            self.in_use += 1
+        return True
+
+    def unreserve(self) -> None:
+        with self._lock:
+            self.in_use -= 1
+            if self._closed:
+                return
+        self._sem.release()
+
     def tail(self, nbytes: int) -> memoryview:
         """A small aligned block for a zero-copy write's unaligned end + header (no token: the sync
         caller that owns the page bounds these by its own batch)."""

@@ -234,9 +234,20 @@ class L3Store:
                 self._finish(op, i, AckKind.DURABLE, True)
                 continue
             if zero_copy and pool.can_zero_copy(view):
-                # The sync caller waits for DURABLE anyway: write from its memory, no staging copy.
+                # The sync caller waits for DURABLE, or under a bound gives up on (and so never indexes)
+                # the pages still being written from its memory: write from it, no staging copy. Under
+                # a bound each page holds a staging token, so a stuck disk bounds these as it does
+                # staged pages.
+                token = deadline is not None
+                if token and not self._staging.reserve(blocking=False):
+                    if batch:  # what we handed over holds the tokens we wait for
+                        self._post(("write", batch))
+                        batch, batch_bytes = [], 0
+                    if not self._staging.reserve(deadline=deadline):
+                        self._give_up(op, i, deadline)
+                        break
                 task = WriteTask(pool, ikey, digests[i], self._staging.tail(pool.tail_bytes()), [(op, i)],
-                                 src=view, guard=op)
+                                 src=view, guard=op, token=token)
                 with self._lock:
                     other = self._inflight.get(ikey)
                     final = other is not None and self._join_locked(other, op, i)
@@ -244,6 +255,8 @@ class L3Store:
                         self._inflight[ikey] = task
                 if other is not None:
                     self._staging.release_tail(task.buf)
+                    if token:
+                        self._staging.unreserve()
                     if final:
                         self._finish(op, i, AckKind.DURABLE, True)
                     continue
@@ -262,12 +275,7 @@ class L3Store:
                     batch, batch_bytes = [], 0
                 buf = self._staging.acquire(pool.extent, deadline=deadline)
                 if buf is None:  # past the caller's bound (tokens held by a stuck disk), or closing
-                    if deadline is not None and not self._closed:
-                        self._count("write_timeouts", len(keys) - i)
-                    for j in range(i, len(keys)):
-                        if op.results[j] is None:
-                            self._emit(op, j, AckKind.GATHERED, False)
-                            self._finish(op, j, AckKind.DURABLE, False)
+                    self._give_up(op, i, deadline)
                     break
             np.copyto(np.frombuffer(buf, dtype=np.uint8, count=pool.page_bytes),
                       np.frombuffer(view, dtype=np.uint8))
@@ -292,6 +300,17 @@ class L3Store:
             self._post(("write", batch))
         return op
 
+    def _give_up(self, op: OpState, i: int, deadline: Optional[float]) -> None:
+        """No staging token came before the caller's bound (tokens held by a stuck disk), or closing:
+        pages i.. of the op fail."""
+        n = len(op.keys)
+        if deadline is not None and not self._closed:
+            self._count("write_timeouts", n - i)
+        for j in range(i, n):
+            if op.results[j] is None:
+                self._emit(op, j, AckKind.GATHERED, False)
+                self._finish(op, j, AckKind.DURABLE, False)
+
     def submit_read(self, payload: str, keys: list[bytes], outs: list) -> int:
         """Read + verify pages into `outs`; one READ ack per page (ok=False: miss, outs[i] unspecified)."""
         return self._submit_read(payload, keys, outs, False).op_id
@@ -311,15 +330,21 @@ class L3Store:
         pages are copied into staging first (nothing reads `pages` after the return) and a page not
         durable in time is reported False (it may still become durable later: it is then a hit with
         its exact bytes). Without one, aligned pages are written straight from `pages` (no copy) and
-        the call waits as long as the device takes. Under durability.backup_ack = "written" a page is
-        True once written to its slot (readable by this store at once, durable when its group commit
-        lands; a failed commit makes it a later miss)."""
+        the call waits as long as the device takes. With one and io.zero_copy_writes, aligned pages are
+        written straight from `pages` too; a write still reading them at the deadline is abandoned (never
+        indexed: the caller may reuse its memory once we return). Under durability.backup_ack =
+        "written" a page is True once written to its slot (readable by this store at once, durable when
+        its group commit lands; a failed commit makes it a later miss)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        op = self._submit_write(payload, keys, pages, True, zero_copy=timeout is None, deadline=deadline,
+        zero_copy = timeout is None or self.config.io.zero_copy_writes
+        op = self._submit_write(payload, keys, pages, True, zero_copy=zero_copy, deadline=deadline,
                                 ack_at_write=self._ack_at_write)
         if not op.done.wait(_left(deadline)):
             self._timed_out(op, "write_timeouts")
-        op.cancel_and_quiesce()  # zero-copy only: no I/O may read the caller's pages after we return
+        # Zero-copy only: no I/O may read the caller's pages after we return. Without a bound, wait for
+        # it; with one (io.zero_copy_writes), a write still running at the deadline is abandoned: it
+        # finishes into its still-reserved slot and is never indexed (writer._io_write).
+        op.cancel_and_quiesce(deadline)
         self._raise_fatal()
         return op.final()
 
@@ -902,6 +927,9 @@ class L3Store:
                 if t.buf is not None:
                     if t.src is not None:
                         self._staging.release_tail(t.buf)
+                        if t.token:
+                            self._staging.unreserve()
+                            t.token = False
                     else:
                         self._staging.release(t.pool.extent, t.buf)
                     t.buf = None

@@ -44,6 +44,7 @@ class WriteTask:
     waiters: list = field(default_factory=list)  # [(OpState, index_in_op)]
     src: Optional[memoryview] = None             # zero-copy: the sync caller's own page
     guard: Optional[OpState] = None              # the op whose caller memory `src` is
+    token: bool = False                          # holds a staging token (zero-copy under a caller's bound)
     slot: int = -1
     seq: int = 0
     error: Optional[str] = None
@@ -218,7 +219,11 @@ class WriteThread:
             s._set_fatal(err)
         finally:
             for t in reading:
-                t.guard.end_io()
+                if t.guard.end_io() and t.error is None:
+                    # The caller returned before this write was done with its memory (its bound passed):
+                    # the slot may hold bytes of whatever the caller put there since. Never indexed; the
+                    # slot is freed only now that the I/O returned (io.zero_copy_writes).
+                    t.error = "abandoned"
         s._post(("io_done", run))
 
     def _release_buffers(self, run: list[WriteTask]) -> None:
@@ -231,6 +236,9 @@ class WriteThread:
                 continue
             if t.src is not None:
                 st.release_tail(t.buf)
+                if t.token:
+                    st.unreserve()
+                    t.token = False
             else:
                 st.release(t.pool.extent, t.buf)
             t.buf = None

@@ -1,0 +1,199 @@
+"""io.zero_copy_writes: write_pages under a timeout (upstream's backup path) writes 4 KiB-aligned pages
+straight from the caller's memory. The caller may reuse that memory as soon as write_pages returned,
+so a write still running at the deadline is abandoned: it finishes into its slot, which stays reserved
+until the I/O returns, and it is never indexed. Unaligned pages take the copy path; with the flag off
+nothing changes.
+
+Stalls use the store's own seams (DiskSlab.fault_injector before every pwritev; a wrapper around the
+pool's seal, where the I/O thread reads the caller's page for the CRC) waiting on an Event; each call
+runs on a helper thread joined with BOUND x SLACK (a correctness margin, not a performance threshold).
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from l3_helpers import aligned_pages, config_doc, page, slot_of
+from sglang_cp.l3.config import L3ConfigError, parse_l3_config
+
+P = 16384
+BOUND = 1.0
+SLACK = 5.0
+ZC = {"zero_copy_writes": True}
+
+
+@pytest.fixture(autouse=True)
+def close_bound(monkeypatch):
+    import sglang_cp.l3.store as store_mod
+    monkeypatch.setattr(store_mod, "CLOSE_TIMEOUT_S", BOUND, raising=False)
+
+
+class StallWrites:
+    """Fault seam: once armed, pwritevs block on `gate` (all of them, or only the first: `once`)."""
+
+    def __init__(self, once=False):
+        self.once = once
+        self.armed = False
+        self.gate = threading.Event()
+        self.slots = []
+
+    def __call__(self, op, slab, slot):
+        if op == "write" and self.armed:
+            self.slots.append(slot)
+            if not self.once or len(self.slots) == 1:
+                self.gate.wait()
+
+
+@pytest.fixture
+def stalls():
+    made = []
+
+    def make(**kw):
+        s = StallWrites(**kw)
+        made.append(s)
+        return s
+    yield make
+    for s in made:  # teardown: let the stuck I/O threads go (before the stores close)
+        s.gate.set()
+
+
+def within(fn, bound=BOUND * SLACK):
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["v"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    return not t.is_alive(), box.get("v")
+
+
+def settle(s, deadline_s=30.0):
+    end = time.monotonic() + deadline_s
+    while s.stats()["inflight"]["writes"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert s.stats()["inflight"]["writes"] == 0
+
+
+def filled(n, first=0, size=P):
+    bufs = aligned_pages(n, size)
+    for i, b in enumerate(bufs):
+        b[:] = np.frombuffer(page(first + i, size), np.uint8)
+    return bufs
+
+
+def test_source_changed_after_timeout_is_never_served(make_store, monkeypatch):
+    """The I/O thread reaches the caller's page only after write_pages gave up (a descheduled thread, a
+    slow disk queue); upstream has reused the host page for other bytes meanwhile. CRC and data then
+    agree on the new bytes: indexing the page would serve them under the old key."""
+    s = make_store(io=dict(ZC, threads=2, max_inflight_pages=8))
+    pool = s._pools["kv"]
+    gate, entered = threading.Event(), threading.Event()
+    seal = pool.seal_zero_copy
+
+    def late_seal(*a):
+        entered.set()
+        gate.wait()
+        return seal(*a)
+    monkeypatch.setattr(pool, "seal_zero_copy", late_seal)
+    src = filled(1)
+    try:
+        done, res = within(lambda: s.write_pages("kv", [b"k0"], src, timeout=BOUND))
+        assert done, "write_pages(timeout) waited for a zero-copy write past its bound"
+        assert res == [False] and entered.is_set()
+        src[0][:] = np.frombuffer(page(99), np.uint8)  # the caller reuses its page
+    finally:
+        gate.set()
+    settle(s)
+    out = aligned_pages(1, P)
+    assert s.read_pages("kv", [b"k0"], out, timeout=30) == [False], \
+        "a page written from caller memory after its write_pages returned was served"
+    assert s.exists_prefix("kv", [b"k0"]) == 0
+    assert s.stats()["counters"]["zero_copy_pages"] == 1
+    assert pool.slots.used == 0, "the abandoned page's slot was not freed after its I/O returned"
+    # The key can be written again, with its real bytes.
+    assert s.write_pages("kv", [b"k0"], filled(1), timeout=30) == [True]
+    assert s.read_pages("kv", [b"k0"], out, timeout=30) == [True] and bytes(out[0]) == page(0)
+
+
+def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls):
+    stall = stalls(once=True)
+    s = make_store(fault_injector=stall, io=dict(ZC, threads=2, max_inflight_pages=4))
+    pool = s._pools["kv"]
+    src = filled(1)
+    stall.armed = True
+    done, res = within(lambda: s.write_pages("kv", [b"h0"], src, timeout=BOUND))
+    assert done, "write_pages(timeout) waited for a hung zero-copy pwrite past its bound"
+    assert res == [False] and stall.slots
+    stuck = stall.slots[0]
+    src[0][:] = 0x5A  # the caller reuses its page while the kernel may still read it
+    # The store keeps writing other pages, never into the slot whose write is still in flight. (They
+    # become durable only once the stuck write returns: a group commits when no write is in flight.)
+    okeys = [b"o%d" % i for i in range(6)]
+    others = filled(6, 10)
+    done, res = within(lambda: s.write_pages("kv", okeys, others, timeout=BOUND))
+    assert done and res == [False] * 6
+    assert len(stall.slots) == 7 and stuck not in stall.slots[1:]
+    assert pool.slots.used == 7
+    stall.gate.set()
+    settle(s)
+    assert stuck not in {slot_of(s, k) for k in okeys}
+    assert s.read_pages("kv", [b"h0"], aligned_pages(1, P), timeout=30) == [False]
+    assert s.exists_prefix("kv", [b"h0"]) == 0
+    assert pool.slots.used == 6  # freed once its I/O returned, never indexed
+    out = aligned_pages(6, P)
+    assert s.read_pages("kv", okeys, out, timeout=30) == [True] * 6
+    assert all(bytes(o) == page(10 + i) for i, o in enumerate(out))
+
+
+def test_hung_disk_bounds_zero_copy_pages_in_flight(make_store, stalls):
+    """Each zero-copy page under a bound holds a staging token: a dead disk cannot collect an unbounded
+    number of pending writes (and their caller-memory references) across backup calls."""
+    stall = stalls()
+    s = make_store(fault_injector=stall, io=dict(ZC, threads=2, max_inflight_pages=4))
+    stall.armed = True
+    for call in range(2):
+        done, res = within(lambda: s.write_pages("kv", [b"c%d-%d" % (call, i) for i in range(8)],
+                                                 filled(8), timeout=BOUND))
+        assert done and res == [False] * 8
+        st = s.stats()["inflight"]
+        assert st["writes"] <= 4 and st["staging_pages"] <= 4, st
+    stall.gate.set()
+    settle(s)
+    assert s.stats()["inflight"]["staging_pages"] == 0
+
+
+def test_unaligned_pages_fall_back_to_the_copy_path(make_store):
+    s = make_store(io=ZC)
+    raw = np.zeros(9 * P + 4096, np.uint8)
+    off = (-raw.ctypes.data) % 4096 + 64  # 64 B past a 4 KiB boundary, like torch's default allocator
+    unaligned = [raw[off + i * P: off + (i + 1) * P] for i in range(8)]
+    for i, b in enumerate(unaligned):
+        b[:] = np.frombuffer(page(i), np.uint8)
+    assert s.write_pages("kv", [b"u%d" % i for i in range(8)], unaligned, timeout=30) == [True] * 8
+    assert s.stats()["counters"]["zero_copy_pages"] == 0
+    assert s.write_pages("kv", [b"a%d" % i for i in range(8)], filled(8, 20), timeout=30) == [True] * 8
+    assert s.stats()["counters"]["zero_copy_pages"] == 8
+    out = aligned_pages(8, P)
+    assert s.read_pages("kv", [b"u%d" % i for i in range(8)], out, timeout=30) == [True] * 8
+    assert all(bytes(o) == page(i) for i, o in enumerate(out))
+    assert s.read_pages("kv", [b"a%d" % i for i in range(8)], out, timeout=30) == [True] * 8
+    assert all(bytes(o) == page(20 + i) for i, o in enumerate(out))
+
+
+def test_flag_off_copies_under_a_timeout(make_store):
+    s = make_store()
+    assert s.config.io.zero_copy_writes is False
+    assert s.write_pages("kv", [b"f%d" % i for i in range(4)], filled(4), timeout=30) == [True] * 4
+    assert s.stats()["counters"]["zero_copy_pages"] == 0
+
+
+def test_zero_copy_writes_is_validated(l3_root):
+    with pytest.raises(L3ConfigError, match=r"io\.zero_copy_writes: must be true or false, got str 'yes'"):
+        parse_l3_config(config_doc(l3_root, io={"zero_copy_writes": "yes"}))
+    assert parse_l3_config(config_doc(l3_root, io=ZC)).io.zero_copy_writes is True
