@@ -20,13 +20,22 @@ def keys(n, prefix=b"k"):
     return [prefix + b"%d" % i for i in range(n)]
 
 
+class _Syncs(list):
+    """fdatasync arrivals (slots); `arrived` is set at the first one."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = threading.Event()
+
+
 def held_sync():
     """A fault injector that parks every fdatasync until `gate` is set; `syncs` counts arrivals."""
-    gate, syncs = threading.Event(), []
+    gate, syncs = threading.Event(), _Syncs()
 
     def injector(op, slab, slot):
         if op == "sync":
             syncs.append(slot)
+            syncs.arrived.set()
             assert gate.wait(30), "test gate never opened"
     return injector, gate, syncs
 
@@ -38,15 +47,38 @@ def write_in_thread(s, ks, pages):
     return t, box
 
 
-def test_written_ack_returns_before_the_commit_and_reads_its_own_writes(make_store):
+@pytest.mark.parametrize("commit_starts", ["whenever", "after_the_return"])
+def test_written_ack_returns_before_the_commit_and_reads_its_own_writes(make_store, monkeypatch, commit_starts):
+    """The caller is answered when its pages are written; the group commit starts after that, on its own
+    thread, so the test waits for the commit to park at fdatasync before it looks at the pending state.
+    'after_the_return' holds the commit thread until write_pages has returned: the order in which the
+    commit reaches fdatasync only after the caller already has its answer (a loaded machine's order)."""
     inj, gate, syncs = held_sync()
+    returned = threading.Event()
+    if commit_starts == "after_the_return":
+        from sglang_cp.l3 import writer
+        commit_group = writer.WriteThread._commit_group
+
+        def held_commit(self, group, touches):
+            assert returned.wait(30), "write_pages never returned"
+            return commit_group(self, group, touches)
+        monkeypatch.setattr(writer.WriteThread, "_commit_group", held_commit)
     s = make_store(durability={"backup_ack": "written"}, fault_injector=inj)
+    try:
+        _written_ack_reads_its_own_writes(s, gate, syncs, returned)
+    finally:
+        gate.set()  # a failed assertion must not leave the commit thread parked for the gate's 30 s
+        returned.set()
+
+
+def _written_ack_reads_its_own_writes(s, gate, syncs, returned):
     ks = keys(12)
     t, box = write_in_thread(s, ks, [page(i) for i in range(12)])
     t.join(20)
-    # The commit is parked at fdatasync, yet the caller has its answer ...
+    # The caller has its answer while the commit is pending (not started, or parked at fdatasync) ...
     assert box.get("ok") == [True] * 12, "write_pages did not return while the group commit was pending"
-    assert syncs, "no group commit started"
+    returned.set()
+    assert syncs.arrived.wait(20), "no group commit reached fdatasync"
     # ... the index does not have the pages yet (durability is still the commit's) ...
     assert s._index.exists_prefix(s._exists_rows(["kv"], ks)) == 0
     # ... and this process sees and reads them (read-your-writes).
