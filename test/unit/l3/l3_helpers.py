@@ -2,6 +2,8 @@
 
 import os
 import subprocess
+import threading
+import time
 
 from sglang_cp.l3 import L3Store
 
@@ -67,3 +69,26 @@ def aligned_pages(n: int, size: int):
     stride = (size + 4095) // 4096 * 4096
     arr = np.frombuffer(mmap.mmap(-1, n * stride), np.uint8)
     return [arr[i * stride: i * stride + size] for i in range(n)]
+
+
+def within(fn, bound):
+    """Run fn on a daemon thread; (returned in time, its result or exception)."""
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["v"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    return not t.is_alive(), box.get("v")
+
+
+def settle(s, what, deadline_s=30.0):
+    """Wait (bounded) until the store has no I/O of `what` in flight after a stall was released."""
+    end = time.monotonic() + deadline_s
+    while s.stats()["inflight"][what] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert s.stats()["inflight"][what] == 0

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from l3_helpers import aligned_pages, page
+from l3_helpers import aligned_pages, page, settle, within
 from sglang_cp.l3 import AckKind
 
 P = 16384
@@ -60,29 +60,6 @@ def stalls():
     yield make
     for s in made:  # teardown: let the stuck I/O threads go
         s.gate.set()
-
-
-def within(fn, bound):
-    """Run fn on a daemon thread; (returned in time, its result or exception)."""
-    box = {}
-
-    def run():
-        try:
-            box["v"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["v"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(bound)
-    return not t.is_alive(), box.get("v")
-
-
-def settle(s, what, deadline_s=30.0):
-    """Wait (bounded) until the store has no I/O of `what` in flight after a stall was released."""
-    end = time.monotonic() + deadline_s
-    while s.stats()["inflight"][what] and time.monotonic() < end:
-        time.sleep(0.01)
-    assert s.stats()["inflight"][what] == 0
 
 
 def fill(bufs, value):

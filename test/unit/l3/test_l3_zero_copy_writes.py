@@ -10,12 +10,12 @@ runs on a helper thread joined with BOUND x SLACK (a correctness margin, not a p
 """
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
-from l3_helpers import aligned_pages, config_doc, page, slot_of
+from l3_helpers import aligned_pages, config_doc, page, settle, slot_of
+from l3_helpers import within as _within
 from sglang_cp.l3.config import L3ConfigError, parse_l3_config
 
 P = 16384
@@ -60,24 +60,7 @@ def stalls():
 
 
 def within(fn, bound=BOUND * SLACK):
-    box = {}
-
-    def run():
-        try:
-            box["v"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["v"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(bound)
-    return not t.is_alive(), box.get("v")
-
-
-def settle(s, deadline_s=30.0):
-    end = time.monotonic() + deadline_s
-    while s.stats()["inflight"]["writes"] and time.monotonic() < end:
-        time.sleep(0.01)
-    assert s.stats()["inflight"]["writes"] == 0
+    return _within(fn, bound)
 
 
 def filled(n, first=0, size=P):
@@ -109,7 +92,7 @@ def test_source_changed_after_timeout_is_never_served(make_store, monkeypatch):
         src[0][:] = np.frombuffer(page(99), np.uint8)  # the caller reuses its page
     finally:
         gate.set()
-    settle(s)
+    settle(s, "writes")
     out = aligned_pages(1, P)
     assert s.read_pages("kv", [b"k0"], out, timeout=30) == [False], \
         "a page written from caller memory after its write_pages returned was served"
@@ -141,7 +124,7 @@ def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls):
     assert len(stall.slots) == 7 and stuck not in stall.slots[1:]
     assert pool.slots.used == 7
     stall.gate.set()
-    settle(s)
+    settle(s, "writes")
     assert stuck not in {slot_of(s, k) for k in okeys}
     assert s.read_pages("kv", [b"h0"], aligned_pages(1, P), timeout=30) == [False]
     assert s.exists_prefix("kv", [b"h0"]) == 0
@@ -164,7 +147,7 @@ def test_hung_disk_bounds_zero_copy_pages_in_flight(make_store, stalls):
         st = s.stats()["inflight"]
         assert st["writes"] <= 4 and st["staging_pages"] <= 4, st
     stall.gate.set()
-    settle(s)
+    settle(s, "writes")
     assert s.stats()["inflight"]["staging_pages"] == 0
 
 
