@@ -924,15 +924,7 @@ class L3Store:
                     if self._inflight.get(t.ikey) is t:
                         del self._inflight[t.ikey]
                     waiters = list(t.waiters)
-                if t.buf is not None:
-                    if t.src is not None:
-                        self._staging.release_tail(t.buf)
-                        if t.token:
-                            self._staging.unreserve()
-                            t.token = False
-                    else:
-                        self._staging.release(t.pool.extent, t.buf)
-                    t.buf = None
+                t.release_buffer(self._staging)
                 for op, i in waiters:
                     self._finish(op, i, AckKind.DURABLE, False)
         elif kind in ("delete", "clear", "stop"):

@@ -50,6 +50,20 @@ class WriteTask:
     error: Optional[str] = None
     written: bool = False                        # its pwrite returned ok; the group commit is pending
 
+    def release_buffer(self, staging: Any) -> None:
+        """Give back what this page holds in staging: its slot image, or a zero-copy page's tail block
+        and (under a caller's bound) its token. Idempotent."""
+        if self.buf is None:
+            return
+        if self.src is not None:
+            staging.release_tail(self.buf)
+            if self.token:
+                staging.unreserve()
+                self.token = False
+        else:
+            staging.release(self.pool.extent, self.buf)
+        self.buf = None
+
     def entry(self, rank: int) -> IndexEntry:
         p = self.pool
         return IndexEntry(rank, p.slab.disk_index, self.slot, p.tag, p.page_bytes, self.seq, self.seq)
@@ -230,18 +244,8 @@ class WriteThread:
         """Once its pwrite returned, a page's staging image is not needed any more: fdatasync and the
         index commit work on the file, and a failed page is never rewritten from staging. Freeing the
         token here, not at DURABLE, keeps submitters copying while a group commit runs."""
-        st = self.s._staging
         for t in run:
-            if t.buf is None:
-                continue
-            if t.src is not None:
-                st.release_tail(t.buf)
-                if t.token:
-                    st.unreserve()
-                    t.token = False
-            else:
-                st.release(t.pool.extent, t.buf)
-            t.buf = None
+            t.release_buffer(self.s._staging)
 
     def _ack_written(self, run: list[WriteTask]) -> None:
         """Mark pages whose pwrite returned ok as written (the store reads them from their slot from now
