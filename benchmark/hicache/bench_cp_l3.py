@@ -252,6 +252,15 @@ capacity_gb = {capacity_gb}
 """
 
 
+def _insert_before(cfg, table, before, after):
+    """Rewrite the demo config: `before` goes in front of its first `table` line, `after` right under it."""
+    with open(cfg) as f:
+        text = f.read()
+    assert table in text and (not before or before.splitlines()[0] not in text), cfg  # a table is written once
+    with open(cfg, "w") as f:
+        f.write(text.replace(table, before + table + after, 1))
+
+
 def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable", zero_copy=False):
     from sglang_cp.cli import write_demo_config
 
@@ -271,17 +280,9 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
             subs = []
             cfg = write_demo_config(os.path.join(root, "l3"), capacity_gb=need_gb)
         if ack != "durable":  # durability.backup_ack (docs_internal/l3_write_ack.md)
-            with open(cfg) as f:
-                text = f.read()
-            assert "[durability]\n" in text, cfg
-            with open(cfg, "w") as f:
-                f.write(text.replace("[durability]\n", f'[durability]\nbackup_ack = "{ack}"\n', 1))
+            _insert_before(cfg, "[durability]\n", "", f'backup_ack = "{ack}"\n')
         if zero_copy:  # io.zero_copy_writes (docs_internal/l3_store.md, "Zero-copy writes under a timeout")
-            with open(cfg) as f:
-                text = f.read()
-            assert "[[disks]]\n" in text and "[io]" not in text, cfg
-            with open(cfg, "w") as f:
-                f.write(text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1))
+            _insert_before(cfg, "[[disks]]\n", "[io]\nzero_copy_writes = true\n\n", "")
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
