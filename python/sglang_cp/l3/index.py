@@ -10,7 +10,8 @@ One environment per node, opened by every rank process (LMDB serialises writers 
 `sync=True`: a committed transaction is on stable storage, which is what makes "index commit" the
 durability point of a page. A full map grows (x2 up to the configured maximum); in-process readers are
 fenced by a reader/writer lock because LMDB forbids resizing with transactions open in the process.
-When another process grew the map, LMDB reports MapResizedError and we adopt the new size.
+When another process grew the map, LMDB reports MapResizedError and we adopt the new size (inside
+lmdb.open, whose own first txn can meet it too, we open again; both retries are bounded).
 A process killed inside a read txn (a rank, `sglang-cp l3 stats`) leaves its reader slot behind, and
 that slot pins a snapshot: no page freed after it can be reused, so the file grows on every commit up
 to the map limit. `reader_check()` clears slots of dead processes: at open, before growing the map,
@@ -41,6 +42,8 @@ _TAG = struct.Struct("<I")
 IKEY_BYTES = 1 + 2 + 4 + 16
 MAX_RANKS = 1 << 16
 _READER_CHECK_INTERVAL_S = 10.0
+_OPEN_ATTEMPTS = 8           # opens retried after MapResizedError (another rank grew the map)
+_TXN_ATTEMPTS = 8            # txn begins retried after MapResizedError, adopting the new size
 logger = logging.getLogger(__name__)
 _LMDB_FILES = ("data.mdb", "lock.mdb")
 
@@ -130,12 +133,7 @@ class LmdbIndex:
         files = [os.path.join(path, name) for name in _LMDB_FILES]
         fresh = not check_private_file(files[0], "index.dir")
         check_private_file(files[1], "index.dir")
-        try:
-            self.env = lmdb.open(path, map_size=map_size, subdir=True, lock=True, sync=True, metasync=True,
-                                 max_readers=1024, readahead=False, meminit=False, max_dbs=0, mode=FILE_MODE)
-        except lmdb.Error as e:
-            raise L3StartupError(f"index.dir: cannot open the LMDB index at '{path}' ({e}); "
-                                 "check the directory is writable and on a local filesystem") from None
+        self.env = self._open_env(path, map_size)
         try:
             for f in files:  # a link swapped in meanwhile: refuse (lstat only, see check_private_file)
                 check_private_file(f, "index.dir", fix_mode=False)
@@ -155,6 +153,26 @@ class LmdbIndex:
         cur = self.env.info()["map_size"]
         if cur < map_size:
             self.env.set_mapsize(map_size)
+
+    @staticmethod
+    def _open_env(path: str, map_size: int) -> lmdb.Environment:
+        """lmdb.open begins a txn of its own (to open the main DB) right after it sized its map from the
+        file. A rank that grows the map and commits past that size in between makes that txn fail with
+        MapResizedError (seen when four ranks open a fresh index at once): open again, and the new open
+        maps the grown file. Bounded: each retry needs another process to have grown the map meanwhile."""
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                return lmdb.open(path, map_size=map_size, subdir=True, lock=True, sync=True, metasync=True,
+                                 max_readers=1024, readahead=False, meminit=False, max_dbs=0, mode=FILE_MODE)
+            except lmdb.MapResizedError as e:
+                err = e
+                logger.info("L3 index %s: map grown by another process during open (attempt %d), reopening",
+                            path, attempt + 1)
+            except lmdb.Error as e:
+                err = e
+                break
+        raise L3StartupError(f"index.dir: cannot open the LMDB index at '{path}' ({err}); "
+                             "check the directory is writable and on a local filesystem")
 
     def _check_format(self) -> None:
         """Stamp a fresh index with FORMAT; refuse one of another format before anyone writes to it.
@@ -196,7 +214,7 @@ class LmdbIndex:
 
     @contextlib.contextmanager
     def _txn(self, write: bool):
-        for _ in range(3):
+        for _ in range(_TXN_ATTEMPTS):
             with self._rw.shared():
                 try:
                     txn = self.env.begin(write=write)

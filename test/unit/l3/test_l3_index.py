@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from sglang_cp.l3.errors import L3StartupError
 from sglang_cp.l3.index import IndexEntry, IndexFull, LmdbIndex, index_key
 
 
@@ -87,3 +88,33 @@ def test_several_processes_share_one_env(l3_root):
     for r in range(4):
         assert len(ix.scan_rank(r)) == 1000
     ix.close()
+
+
+def test_open_retries_when_another_rank_grew_the_map_meanwhile(l3_root, monkeypatch):
+    """lmdb.open's own first txn fails with MapResizedError when another rank grows the map and commits
+    between the open sizing its map and that txn (seen once in CI with four ranks on a fresh index):
+    the open is retried, boundedly, and a persistent failure is a startup error naming index.dir."""
+    import lmdb
+
+    import sglang_cp.l3.index as index_mod
+
+    real_open, calls = lmdb.open, []
+
+    def racing_open(*a, **kw):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
+        return real_open(*a, **kw)
+
+    monkeypatch.setattr(index_mod.lmdb, "open", racing_open)
+    ix = LmdbIndex(os.path.join(l3_root, "idx"), 1 << 20, 1 << 22)
+    ix.commit(puts=[(k(1), e(1))])
+    assert ix.get_many([k(1)]) == [e(1)] and len(calls) == 3
+    ix.close()
+
+    def always_resized(*a, **kw):
+        raise lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED")
+
+    monkeypatch.setattr(index_mod.lmdb, "open", always_resized)
+    with pytest.raises(L3StartupError, match="index.dir: cannot open the LMDB index.*MAP_RESIZED"):
+        LmdbIndex(os.path.join(l3_root, "idx2"), 1 << 20, 1 << 22)
