@@ -13,7 +13,10 @@ pages), one run:
              (a 128K- and a 1M-token context of 64-token pages), and exists_each with 8 classes (one CP8
              rank's hit query for every rotation phase at once), all keys present (the full scan);
              the keys are passed the way the backend passes them (KeyScheme: the constant head as
-             key_prefix, the encoded page hashes as keys), timed with the query;
+             key_prefix, upstream's str page hashes as keys, or encoded where the store takes bytes
+             only), timed with the query; then again with rank 0 holding N/8 pages (its share of an 8-rank node:
+             the query's lookups are in the rank's held digests, whose size is its page count), synthetic
+             digests added to its HeldDigests (--held-share 0 skips it);
              then rank 0 is reopened with cold start 'load' (its 32,768 entries among the N: timed);
   5. I/O     spill (write_pages per 128 pages, to DURABLE) and cold reload (read_pages per 128) of
              --io-mib of 1 MiB pages, against raw O_DIRECT (pwrite x io.threads + fdatasync; preadv)
@@ -186,13 +189,22 @@ def one_size(base: str, n: int, args) -> dict:
                 for s in range(0, QUERY_KEYS, 1024):
                     assert all(store.write_pages(p, skeys[s:s + 1024], [page] * len(skeys[s:s + 1024])))
             out["index_entries"] = store._index.count()
+            # The keys as the backend of this tree passes them: upstream's str page hashes where the store
+            # takes str tails, else encoded (KeyScheme.suffixes; the tree before it did).
+            try:
+                store.exists_prefix("kv", hashes[:1], key_prefix=ks.prefix(0))
+                tails = list
+                out["keys_as"] = "str page hashes"
+            except TypeError:
+                tails = ks.suffixes
+                out["keys_as"] = "bytes (KeyScheme.suffixes)"
             for nk in (2048, QUERY_KEYS):
                 h = hashes[:nk]
                 runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
                 out[f"prefix1_{nk}"] = timed(
-                    lambda: store.exists_prefix("kv", ks.suffixes(h), key_prefix=ks.prefix(0)) == nk or _fail(), runs)
+                    lambda: store.exists_prefix("kv", tails(h), key_prefix=ks.prefix(0)) == nk or _fail(), runs)
                 out[f"prefix2_{nk}"] = timed(
-                    lambda: store.exists_prefix_multi(["kv", "indexer"], ks.suffixes(h), key_prefix=ks.prefix(0)) == nk
+                    lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
                     or _fail(), runs)
                 # Floors, same run: the LMDB lookups alone (store keys digested beforehand), one txn.
                 rows1 = store._exists_rows(["kv"], skeys[:nk])
@@ -200,8 +212,33 @@ def one_size(base: str, n: int, args) -> dict:
                 out[f"lmdb1_{nk}"] = timed(lambda: store._index.exists_prefix(rows1) == nk or _fail(), runs)
                 out[f"lmdb2_{nk}"] = timed(lambda: store._index.exists_prefix(rows2) == nk or _fail(), runs)
                 out[f"each8_{nk}"] = timed(
-                    lambda: all(store.exists_each(["kv", "indexer"], ks.suffixes(h), classes=8, key_prefix=ks.prefix(0)))
+                    lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
                     or _fail(), runs)
+            # Rank 0 holding its share of the node (N / 8 pages): the hit query looks keys up in the rank's
+            # held digests, whose size is the rank's page count, not the index's. Synthetic digests (both
+            # payloads) are added to the store's HeldDigests and its table rebuilt, as cold start does.
+            share = max(0, n // 8 - QUERY_KEYS)
+            if args.held_share and share:
+                held = store._held
+                raw = np.random.default_rng(n + 1).bytes(16 * share)
+                for i in range(0, 16 * share, 16):
+                    held._d[raw[i:i + 16]] = 3
+                del raw
+                if hasattr(held, "rebuild_table"):
+                    t0 = time.perf_counter()
+                    held.rebuild_table()
+                    out["table_build_s"] = time.perf_counter() - t0
+                out["held"] = len(held)
+                for nk in (2048, QUERY_KEYS):
+                    h = hashes[:nk]
+                    runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
+                    out[f"share2_{nk}"] = timed(
+                        lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
+                        or _fail(), runs)
+                    out[f"share8_{nk}"] = timed(
+                        lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
+                        or _fail(), runs)
+                held._d.clear()  # synthetic: not the store's pages (it is closed next)
             store.close()
             t0 = time.perf_counter()
             store = L3Store(cfg, rank=0, ranks_per_node=2, payloads=PAYLOADS, cold_start="load")
@@ -251,6 +288,8 @@ def main():
     ap.add_argument("--io-mib", type=int, default=256, help="spill/reload bytes per rep (0: skip)")
     ap.add_argument("--io-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--held-share", type=int, default=1, help="1: also time the hit query with rank 0 holding "
+                    "N/8 pages (its share of an 8-rank node); 0: skip")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     t_start = time.time()
@@ -258,7 +297,7 @@ def main():
     for n in [int(x) for x in args.sizes.split(",")]:
         r = one_size(args.dir, n, args)
         rows.append(r)
-        print(f"\n== {n:,} entries of other ranks + {r['index_entries'] - n:,} of rank 0 "
+        print(f"\n== {n:,} entries of other ranks + {r['index_entries'] - n:,} of rank 0, keys passed as {r['keys_as']} "
               f"(bulk build {r['build_s']:.1f} s, {r['bytes_per_entry']:.0f} B/entry on disk = "
               f"{r['bytes_per_entry'] * n / 1e9:.2f} GB); store open + cold start of rank 0: 'clear' "
               f"{r['cold_start_clear_s']:.2f} s, 'load' of its {r['loaded']:,} entries {r['cold_start_load_s']:.2f} s",
@@ -269,6 +308,13 @@ def main():
                                ("each8", "exists_each kv+ix, 8 cls ")):
                 wall, cpu = r[f"{cell}_{nk}"]
                 print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
+        if "held" in r:
+            build = f", table built in {r['table_build_s']:.2f} s" if "table_build_s" in r else ", no table"
+            print(f"  rank 0 holding {r['held']:,} pages (N/8, its share of the node{build}):")
+            for nk in (2048, QUERY_KEYS):
+                for cell, what in (("share2", "exists_prefix_multi kv+ix"), ("share8", "exists_each kv+ix, 8 cls ")):
+                    wall, cpu = r[f"{cell}_{nk}"]
+                    print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
         if "spill_vs_raw" in r:
             def med(xs):
                 return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
@@ -276,7 +322,8 @@ def main():
                   f"cold reload (read_pages/128) {med(r['reload_gbps'])} GB/s = {med(r['reload_vs_raw'])}x raw "
                   f"({r['io_bytes'] / 2**20:.0f} MiB of 1 MiB pages, {args.io_reps} reps, same-run raw O_DIRECT)")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
-          f"wall {time.time() - t_start:.0f} s. Times include the backend's key work (KeyScheme.suffixes/prefix); "
+          f"wall {time.time() - t_start:.0f} s. Times include the backend's key work (KeyScheme.prefix, and "
+          "suffixes where keys pass as bytes); "
           "'floor' = the same lookups with the keys digested beforehand (LMDB alone), same run.")
 
 

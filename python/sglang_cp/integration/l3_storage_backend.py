@@ -320,7 +320,7 @@ class CpL3Storage(HiCacheStorage):
             return 0
         if not self.sharded:
             clear_phase_vector()
-            return self.store.exists_prefix_multi(payloads, self.keys.suffixes(page_hashes),
+            return self.store.exists_prefix_multi(payloads, page_hashes,  # str tails: the store encodes them
                                                   key_prefix=self.keys.prefix(self._owner_key_rank()))
         # Under sharding which rank holds page i depends on the chain's rotation phase b
         # (owner of page i = (b + i) % N), which only the allocator that wrote it knew. Each
@@ -329,7 +329,7 @@ class CpL3Storage(HiCacheStorage):
         n, N, r = len(page_hashes), self.shard_size, self.shard_rank
         # One store query for all phases: page i falls in class i % N, and each phase's answer is
         # one class's prefix (the store stops once every class has missed).
-        durable = self.store.exists_each(payloads, self.keys.suffixes(page_hashes), classes=N,
+        durable = self.store.exists_each(payloads, page_hashes, classes=N,
                                          key_prefix=self.keys.prefix(self.shard_rank))
         vector = []
         for b in range(N):

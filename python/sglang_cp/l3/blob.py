@@ -78,7 +78,8 @@ def key_digester(rank: int):
 
 def key_digests(rank: int):
     """(keys, prefix=b"") -> [key_digest(rank, prefix + k) for k in keys]: one Python loop with no call per
-    key, and a common prefix hashed once (the hit query)."""
+    key, and a common prefix hashed once (the hit query). Keys are all bytes, or all str (taken as their
+    UTF-8 bytes, encoded inside the loop: cheaper than a list of encoded copies first)."""
     base = hashlib.blake2b(digest_size=16, person=_person(rank))
 
     def digests(keys, prefix: bytes = b"") -> list[bytes]:
@@ -89,10 +90,22 @@ def key_digests(rank: int):
         copy = seed.copy
         out = []
         add = out.append
-        for k in keys:
-            h = copy()
-            h.update(k)
-            add(h.digest())
+        try:
+            if keys and isinstance(keys[0], str):
+                for k in keys:
+                    h = copy()
+                    h.update(k.encode())
+                    add(h.digest())
+            else:
+                for k in keys:
+                    h = copy()
+                    h.update(k)
+                    add(h.digest())
+        except (TypeError, AttributeError):
+            kind = str if isinstance(keys[0], str) else (bytes, bytearray, memoryview)
+            bad = next((i for i, k in enumerate(keys) if not isinstance(k, kind)), 0)
+            raise TypeError(f"keys: must be all bytes or all str; keys[0] is {type(keys[0]).__name__}, "
+                            f"keys[{bad}] is {type(keys[bad]).__name__}") from None
         return out
     return digests
 

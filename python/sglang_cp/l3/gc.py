@@ -7,22 +7,51 @@ path never meets a full pool in steady state and GC never flaps around one water
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from typing import Optional
 
+import numpy as np
+
+from .errors import L3InvariantError
 from .index import IndexEntry, ikey_digest
+
+_QQ = struct.Struct("<QQ")  # a 16-byte digest as two little-endian words
+_VAL = 0xFFFF               # the low 16 bits of a table slot's second word hold its value (0: empty slot)
+_TOMB = 0x8000              # value of a key no pool holds any more (its slot stays in the probe chain)
+_MAX_LOAD = 0.7             # used slots (held + tombs) per table slot that trigger a rebuild
+_MAX_PROBES = 64            # batch lookups probe this far, then ask the dict (bounded under concurrent puts)
 
 
 class HeldDigests:
     """key digest -> bitmask of the payload pools (of one rank's store) whose LRU holds that key. The hit
-    query maps `get` over digests: one C lookup per key for all payloads, no index keys built."""
+    query maps `get` over digests: one C lookup per key for all payloads, no index keys built.
+
+    Beside the dict, a mirror for batch lookups (`many`): an open-addressing table (linear probing) in
+    one numpy array of two 64-bit words per slot: the digest's first word, then its second word with the
+    low 16 bits replaced by the value (pool bits; _TOMB once no pool holds the key; 0 = empty). Digests
+    are blake2b output, so the first word's low bits are the home slot, and 112 bits of key compared
+    leave a false match at ~2^-112 per probe (a hit that read_pages, which asks the index, would turn
+    into a miss; never bytes). A dict lookup per key costs a few dependent cache misses, one key after
+    another; at a rank's share of a node (millions of pages) that is most of a 16K-key hit query. The
+    table's vectorized probes cost one cache line per key and issue them together.
+    Written by the one thread that writes the dict (the store's write thread; recovery before it starts),
+    read by any: a put writes the first word, then the second (value included), and a rebuild swaps one
+    tuple, so a concurrent batch lookup sees a key as held, not held, or (around a discard) still held,
+    as a dict lookup can. `drop_table` / `rebuild_table` bracket bulk changes (cold start) so they cost
+    one vectorized build instead of a put per key."""
 
     def __init__(self):
         self._d: dict[bytes, int] = {}
         self.get = self._d.get
+        self._table: Optional[tuple] = None  # (slots: uint64 [cap, 2], cap - 1), swapped whole
+        self._used = 0                       # table slots holding a key (held or tomb)
 
     def add(self, digest: bytes, bit: int) -> None:
-        self._d[digest] = self._d.get(digest, 0) | bit
+        v = self._d.get(digest, 0) | bit
+        self._d[digest] = v
+        if self._table is not None:
+            self._put(digest, v)
 
     def discard(self, digest: bytes, bit: int) -> None:
         v = self._d.get(digest, 0) & ~bit
@@ -30,9 +59,114 @@ class HeldDigests:
             self._d[digest] = v
         else:
             self._d.pop(digest, None)
+        if self._table is not None:
+            self._put(digest, v)
 
     def __len__(self) -> int:
         return len(self._d)
+
+    # -- the batch-lookup table (writer side) ---------------------------------------------------------
+
+    def drop_table(self) -> None:
+        """Batch lookups answer from the dict until rebuild_table (bulk changes skip per-key puts)."""
+        self._table = None
+
+    def rebuild_table(self) -> None:
+        """Build the table from the dict: two to four slots per key, no tombs."""
+        n = len(self._d)
+        cap = 1 << max(12, (2 * n + 1024).bit_length())
+        tab = np.zeros((cap, 2), np.uint64)
+        if n:
+            raw = b"".join(self._d)
+            if len(raw) != 16 * n:
+                raise L3InvariantError("HeldDigests: a digest that is not 16 bytes")
+            keys = np.frombuffer(raw, dtype="<u8")
+            vals = np.fromiter(self._d.values(), np.int64, n)
+            if vals.max(initial=0) >= _TOMB:  # more pools than the value has bits: the dict answers
+                self._table = None
+                return
+            k0 = keys[0::2]
+            k1 = (keys[1::2] & ~np.uint64(_VAL)) | vals.astype(np.uint64)
+            m = np.uint64(cap - 1)
+            pos = k0 & m
+            todo = np.arange(n)
+            while todo.size:  # each round places, per free slot wanted, the first key that wants it
+                p = pos[todo]
+                free = (tab[p, 1] & np.uint64(_VAL)) == 0
+                slots, first = np.unique(p[free], return_index=True)
+                won = todo[free][first]
+                tab[slots, 0], tab[slots, 1] = k0[won], k1[won]
+                placed = np.zeros(n, bool)
+                placed[won] = True
+                todo = todo[~placed[todo]]
+                pos[todo] = (pos[todo] + np.uint64(1)) & m
+        self._used = n
+        self._table = (tab, cap - 1)
+
+    def _put(self, digest: bytes, value: int) -> None:
+        if value >= _TOMB:  # more pools than the value has bits: the dict answers
+            self._table = None
+            return
+        tab, m = self._table
+        a, b = _QQ.unpack(digest)
+        b &= ~_VAL
+        i = a & m
+        while True:
+            w1 = int(tab[i, 1])
+            if not w1 & _VAL:  # an empty slot: the key is not in the table
+                if not value:
+                    return
+                if self._used + 1 > _MAX_LOAD * (m + 1):
+                    self.rebuild_table()  # the dict already has this key
+                    return
+                tab[i, 0] = a  # first word first: a reader that sees the value sees the key
+                tab[i, 1] = b | value
+                self._used += 1
+                return
+            if w1 & ~_VAL == b and int(tab[i, 0]) == a:
+                tab[i, 1] = b | (value or _TOMB)
+                return
+            i = (i + 1) & m
+
+    # -- batch lookups (any thread) -------------------------------------------------------------------
+
+    def many(self, digests: list[bytes]) -> Optional[np.ndarray]:
+        """The held bitmask of each digest (uint64 array), as `get(d, 0)` would answer; None while there
+        is no table (ask the dict)."""
+        t = self._table
+        if t is None:
+            return None
+        tab, m = t
+        rows16 = tab.view(np.complex128).reshape(-1)  # a slot as one 16-byte item: take() copies it whole
+        n = len(digests)
+        raw = b"".join(digests)
+        if len(raw) != 16 * n:
+            raise L3InvariantError("HeldDigests.many: a digest that is not 16 bytes")
+        q = np.frombuffer(raw, dtype="<u8")
+        vm = np.uint64(_VAL)
+        q0, q1 = q[0::2], q[1::2] & ~vm
+        out = np.zeros(n, np.uint64)
+        idx = None  # positions in `digests` still probing (None: all of them)
+        pos = (q0 & np.uint64(m)).astype(np.intp)
+        for _ in range(_MAX_PROBES):
+            rows = rows16.take(pos).view(np.uint64)  # one cache line per key
+            w1 = rows[1::2]
+            v = w1 & vm
+            found = (rows[0::2] == q0) & ((w1 & ~vm) == q1) & (v != 0)
+            if idx is None:
+                out[found] = v[found]
+            else:
+                out[idx[found]] = v[found]
+            go = (v != 0) & ~found
+            if not go.any():
+                break
+            idx = np.flatnonzero(go) if idx is None else idx[go]
+            q0, q1, pos = q0[go], q1[go], (pos[go] + 1) & m
+        else:
+            get = self._d.get
+            out[idx] = [get(digests[i], 0) for i in idx.tolist()]
+        out &= np.uint64(_TOMB - 1)
+        return out
 
 
 class PageLRU:
@@ -68,8 +202,10 @@ class PageLRU:
         self.held.add(ikey_digest(ikey), self.bit)
 
     def seed(self, items: list[tuple[bytes, IndexEntry]]) -> None:
-        """Bulk load at recovery, ordered by the durable last_access."""
+        """Bulk load at recovery, ordered by the durable last_access. It drops the held table: the caller
+        rebuilds it once every pool is seeded (HeldDigests.rebuild_table)."""
         self.clear()
+        self.held.drop_table()
         for k, e in sorted(items, key=lambda kv: kv[1].last_access):
             self._od[k] = e
             self.held.add(ikey_digest(k), self.bit)
@@ -98,8 +234,11 @@ class PageLRU:
         return out
 
     def clear(self) -> None:
+        """Forget every page. Many pages drop the held table (the caller rebuilds it, as after seed)."""
         keys = list(self._od)
         self._od.clear()
+        if len(keys) > 4096:
+            self.held.drop_table()
         for k in keys:
             self.held.discard(ikey_digest(k), self.bit)
 

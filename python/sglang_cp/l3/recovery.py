@@ -79,6 +79,7 @@ def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadP
         p.reset()
     if mode == "clear":
         n = index.delete_rank(rank)
+        _rebuild_held_tables(pools)
         return {"mode": mode, "index_entries_wiped": n, "live": 0, "dropped": 0,
                 "seconds": round(time.monotonic() - t0, 3)}
     entries = index.scan_rank(rank)
@@ -128,8 +129,16 @@ def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadP
         pool.slots.rebuild_from_allocated(e.slot for _, e in items)
         pool.lru.seed(items)
         pool.owner = {e.slot: k for k, e in items}
+    _rebuild_held_tables(pools)
     return {"mode": mode, "scanned": len(entries), "live": sum(len(v) for v in live.values()),
             "dropped": len(doomed), "drop_reasons": reasons, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _rebuild_held_tables(pools: dict[int, PayloadPool]) -> None:
+    """Seeding and resetting pools drops the hit query's batch table; build it once, after all of them
+    (the pools of a store share one HeldDigests)."""
+    for held in {id(p.lru.held): p.lru.held for p in pools.values()}.values():
+        held.rebuild_table()
 
 
 def read_records(slab_dir: str) -> list[dict]:

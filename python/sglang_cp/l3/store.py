@@ -53,6 +53,10 @@ _MESSAGE_BYTES = 8 << 20
 # one page per request read 0.90x raw over 4 GiB, three per request 0.97x. At 64 KiB pages the request
 # count bound keeps requests near 1 MiB (fewer, larger ones read slower there: 1.35x vs 1.46x raw).
 _READ_IO_BYTES = 4 << 20
+# Hit-query chunks of at least this many keys look up the held digests in HeldDigests' numpy table (a
+# fixed ~50 us of numpy calls, then overlapped cache misses); smaller ones in its dict (~60 ns per key,
+# more at millions of held pages).
+_TABLE_CHUNK = 1024
 # Landing areas per read I/O thread: one in a preadv, the others with pages being verified and copied
 # out by a finisher while the I/O thread already reads the next request.
 _LANDING_PER_THREAD = 2
@@ -767,9 +771,11 @@ class L3Store:
         In the windows around a commit or delete the answer errs towards a miss, or towards a hit that
         read_pages (which asks the index) turns into a miss: never wrong bytes. classes=0: the prefix
         length; else exists_each's flags.
-        Cost: one digest per key for all payloads and one C-level lookup of it in the pools' shared
-        HeldDigests (a bit per payload), over chunks that grow from 64 keys: a miss at key i costs about
-        i keys of work. Pages pending a commit or being dropped take the per-payload path."""
+        Cost: one digest per key for all payloads and one lookup of it in the pools' shared HeldDigests
+        (a bit per payload; chunks of _TABLE_CHUNK keys or more in its vectorized table, smaller ones in
+        its dict), over chunks that grow from 64 keys: a miss at key i costs about i keys of work; a chunk
+        whose keys are all held is one count, no flags built. Pages pending a commit or being dropped
+        take the per-payload path. Keys: all bytes or all str (UTF-8)."""
         self._raise_fatal()
         if not isinstance(key_prefix, bytes):
             raise TypeError(f"key_prefix: must be bytes, got {type(key_prefix).__name__}")
@@ -778,8 +784,11 @@ class L3Store:
         mask = 0
         for pl in pools:
             mask |= pl.lru.bit
-        get = self._held.get
+        get, many = self._held.get, self._held.many
         every = mask == (1 << len(self._pools)) - 1
+        # The held values that answer "every asked payload": mask's supersets among the store's bits
+        # (just mask when every payload is asked; counted one by one while they are few).
+        full = [v for v in range(1 << len(self._pools)) if v & mask == mask] if len(self._pools) <= 4 else None
         pending = self._written_pending()
         dropping = self._dropping or None
         n = len(keys)
@@ -790,7 +799,23 @@ class L3Store:
             e = min(n, s + step)
             step = min(step * 2, 4096)
             digests = self._digests(keys[s:e], key_prefix)
-            held = list(map(get, digests, itertools.repeat(0, e - s)))
+            # Big chunks: the vectorized table (its probes' cache misses overlap); small ones: the dict.
+            arr = many(digests) if e - s >= _TABLE_CHUNK else None
+            if arr is not None:
+                all_held = np.count_nonzero((arr & mask) == mask) == e - s
+                held = None
+            else:
+                held = list(map(get, digests, itertools.repeat(0, e - s)))
+                all_held = (sum(map(held.count, full)) if full is not None
+                            else list(map(mask.__and__, held)).count(mask)) == e - s
+            # Every key of the chunk held: no flag list built.
+            if dropping is None and all_held:
+                if classes:
+                    flags += itertools.repeat(True, e - s)
+                s = e
+                continue
+            if held is None:
+                held = arr.tolist()
             # A query of every payload of the store (the usual one) needs no masking: one pass less.
             hit = list(map(mask.__eq__, held if every else map(mask.__and__, held)))
             if (pending is not None and False in hit) or dropping is not None:
@@ -806,6 +831,8 @@ class L3Store:
             s = e
         if not classes:
             return n
+        if not missed and len(flags) == n:  # no miss anywhere
+            return flags
         # Each class answers its prefix only: from its first miss on, its keys read False.
         out = flags + [False] * (n - len(flags))
         for c in range(classes):

@@ -194,3 +194,69 @@ def test_the_lru_digest_set_follows_the_lru():
     assert [lru.holds(ikey_digest(k)) for k in ks] == [False, True, False, False]
     lru.clear()
     assert not any(lru.holds(ikey_digest(k)) for k in ks) and len(lru) == 0
+
+
+def test_str_keys_ask_about_their_utf8_bytes(make_store):
+    """The backend passes upstream's page hashes (str) as they are; the store hashes their UTF-8 bytes, so
+    the answers equal those of the encoded keys, holes and chunk edges included."""
+    from sglang_cp.l3.blob import key_digests
+    s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.04)
+    head = "id/0of2/".encode()
+    tails = ["%03x" % i if i % 7 else "é%d" % i for i in range(300)]  # some non-ASCII
+    full = [head + t.encode() for t in tails]
+    assert key_digests(3)(tails, head) == key_digests(3)([t.encode() for t in tails], head)
+    for p in ("kv", "ix"):
+        assert all(s.write_pages(p, full, [page(0, P)] * len(full)))
+    assert s.exists_prefix_multi(["kv", "ix"], tails, key_prefix=head) == 300
+    assert s.exists_each(["kv", "ix"], tails, classes=8, key_prefix=head) == [True] * 300
+    for p, i in (("ix", 200), ("kv", 70)):
+        s.delete(p, [full[i]])
+    for classes in (1, 8):
+        assert s.exists_each(["kv", "ix"], tails, classes=classes, key_prefix=head) == \
+            s.exists_each(["kv", "ix"], full, classes=classes)
+    assert s.exists_prefix("ix", tails, key_prefix=head) == 200
+    assert s.exists_prefix_multi(["kv", "ix"], tails, key_prefix=head) == 70
+    with pytest.raises(TypeError, match=r"keys: must be all bytes or all str; keys\[0\] is str, keys\[5\] is bytes"):
+        s.exists_prefix("kv", tails[:5] + [full[5]] + tails[6:], key_prefix=head)
+    with pytest.raises(TypeError, match=r"keys\[0\] is bytes, keys\[2\] is str"):
+        s.exists_prefix("kv", full[:2] + tails[2:])
+
+
+def test_a_page_being_dropped_is_a_miss_even_in_a_fully_held_chunk(make_store):
+    """A bad page a reader found stays in the LRU until the write thread releases it; meanwhile the hit
+    query must not offer it, also where every key of its chunk is held (the chunk's fast path)."""
+    from sglang_cp.l3.blob import key_digest
+    s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.04)
+    ks = [b"dr/%d" % i for i in range(200)]
+    for p in ("kv", "ix"):
+        assert all(s.write_pages(p, ks, [page(0, P)] * len(ks)))
+    ikey = index_key(s._pools["ix"].tag, key_digest(s.rank, ks[100]), s.rank)
+    with s._lock:
+        s._dropping.add(ikey)  # what _bad_page does before the write thread's release
+    try:
+        assert s.exists_prefix_multi(["kv", "ix"], ks) == 100
+        assert s.exists_prefix("ix", ks) == 100
+        assert s.exists_prefix("kv", ks) == 200  # another payload of the key is not being dropped
+        assert s.exists_each(["kv", "ix"], ks, classes=4) == _reference([i != 100 for i in range(200)], 4)
+    finally:
+        with s._lock:
+            s._dropping.discard(ikey)
+    assert s.exists_prefix_multi(["kv", "ix"], ks) == 200
+
+
+@pytest.mark.parametrize("npay", [3, 5])  # up to 4 payloads the all-held check counts mask's supersets
+def test_hit_query_over_a_subset_of_many_payloads(make_store, npay):
+    names = ["p%d" % j for j in range(npay)]
+    s = make_store(payloads={nm: P for nm in names}, capacity_gb=0.04)
+    n = 150
+    ks = [b"mp/%d" % i for i in range(n)]
+    missing = {"p0": 140, "p1": 90, "p2": 70, "p3": 100, "p4": 120}
+    for nm in names:
+        have = [k for i, k in enumerate(ks) if i != missing[nm]]
+        assert all(s.write_pages(nm, have, [page(0, P)] * len(have)))
+    for ask in (names, names[:1], names[1:2], names[:2], [names[0], names[-1]]):
+        first = min(missing[nm] for nm in ask)
+        assert s.exists_prefix_multi(ask, ks) == first, ask
+        assert s.exists_prefix_multi(ask, ks[:first]) == first, ask
+        assert s.exists_each(ask, ks, classes=4) == _reference([i not in {missing[nm] for nm in ask}
+                                                                for i in range(n)], 4), ask
