@@ -16,7 +16,7 @@ demo: setup
 
 # CI's suite (slow-marked tests excluded by pyproject's addopts).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider test
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 test
 
 test-slow: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m slow test

@@ -281,8 +281,10 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
             cfg = write_demo_config(os.path.join(root, "l3"), capacity_gb=need_gb)
         if ack != "durable":  # durability.backup_ack (docs_internal/l3_write_ack.md)
             _insert_before(cfg, "[durability]\n", "", f'backup_ack = "{ack}"\n')
-        if zero_copy:  # io.zero_copy_writes (docs_internal/l3_store.md, "Zero-copy writes under a timeout")
-            _insert_before(cfg, "[[disks]]\n", "[io]\nzero_copy_writes = true\n\n", "")
+        # io.threads = the raw rows' requests in flight per writer (--threads), so each ratio compares the
+        # same concurrency; io.zero_copy_writes (docs_internal/l3_store.md, "Zero-copy writes under a timeout").
+        io = f"[io]\nthreads = {args.threads}\n" + ("zero_copy_writes = true\n" if zero_copy else "")
+        _insert_before(cfg, "[[disks]]\n", io + "\n", "")
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
@@ -421,7 +423,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="16 pages x 8 layers, 1 rep (smoke)")
     p.add_argument("--dir", default="/var/tmp", help="scratch dir on the disk under test")
     p.add_argument("--json", default=None, help="write the summary here")
-    p.add_argument("--threads", type=int, default=4, help="raw rows: requests in flight per writer (= io.threads)")
+    p.add_argument("--threads", type=int, default=4, help="requests in flight per writer: the raw rows' threads and our rows' io.threads")
     p.add_argument("--disks", default=None, help="DIR0,DIR1 on two devices: add CP=2 rows with rank_to_disk")
     p.add_argument("--configs", default=None, help="';'-separated subset of row names (default: all; the file row always runs)")
     p.add_argument("--backup-ack", default="durable", choices=("durable", "written", "both"),
