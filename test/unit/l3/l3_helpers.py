@@ -92,3 +92,15 @@ def settle(s, what, deadline_s=30.0):
     while s.stats()["inflight"][what] and time.monotonic() < end:
         time.sleep(0.01)
     assert s.stats()["inflight"][what] == 0
+
+
+def each_reference(present: list[bool], classes: int) -> list[bool]:
+    """What exists_each answers, key by key: key i (class i % classes) is a hit iff it is present and no
+    earlier key of its class missed."""
+    out, missed = [], set()
+    for i, ok in enumerate(present):
+        c = i % classes
+        if not ok:
+            missed.add(c)
+        out.append(ok and c not in missed)
+    return out

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from l3_helpers import page
+from l3_helpers import each_reference, page
 from sglang_cp.l3 import gc as l3gc
 from sglang_cp.l3.gc import HeldDigests
 
@@ -100,16 +100,6 @@ def test_a_digest_of_another_length_is_an_invariant_error():
         h.many([b"short"])
 
 
-def _reference(present: list[bool], classes: int) -> list[bool]:
-    out, missed = [], set()
-    for i, ok in enumerate(present):
-        c = i % classes
-        if not ok:
-            missed.add(c)
-        out.append(ok and c not in missed)
-    return out
-
-
 def test_hit_query_chunks_on_the_table_match_a_per_key_reference(make_store):
     """4,100 keys: the chunks of 1,024 and 2,048 keys are looked up in the table, the others in the dict."""
     s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.12)
@@ -130,12 +120,12 @@ def test_hit_query_chunks_on_the_table_match_a_per_key_reference(make_store):
         assert s.exists_prefix("ix", ks) == has["ix"].index(False)
         assert s.exists_prefix_multi(["kv", "ix"], ks) == both.index(False)
         for classes in (1, 8):
-            assert s.exists_each(["kv", "ix"], ks, classes=classes) == _reference(both, classes)
+            assert s.exists_each(["kv", "ix"], ks, classes=classes) == each_reference(both, classes)
     # A restart seeds the LRU from the index (no per-key puts) and builds the table once.
     s.close()
     s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.12, cold_start="load")
     assert s._held._table is not None, "cold start 'load' did not build the table"
     both = [a and b for a, b in zip(has["kv"], has["ix"])]
     assert s.exists_prefix_multi(["kv", "ix"], ks) == both.index(False)
-    assert s.exists_each(["kv", "ix"], ks, classes=8) == _reference(both, 8)
+    assert s.exists_each(["kv", "ix"], ks, classes=8) == each_reference(both, 8)
     assert s.exists_prefix("kv", ks) == has["kv"].index(False)

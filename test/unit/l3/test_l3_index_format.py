@@ -11,7 +11,7 @@ import struct
 import lmdb
 import pytest
 
-from l3_helpers import config_doc, page
+from l3_helpers import config_doc, each_reference, page
 from sglang_cp.l3 import L3Store, L3StartupError, parse_l3_config
 from sglang_cp.l3.blob import payload_tag
 from sglang_cp.l3.index import FORMAT, META_KEY, IndexEntry, LmdbIndex, index_key, key_prefix
@@ -126,16 +126,6 @@ def test_cold_start_keeps_other_ranks_entries(l3_root):
     s.close()
 
 
-def _reference(present: list[bool], classes: int) -> list[bool]:
-    out, missed = [], set()
-    for i, ok in enumerate(present):
-        c = i % classes
-        if not ok:
-            missed.add(c)
-        out.append(ok and c not in missed)
-    return out
-
-
 def _first_miss(xs: list[bool]) -> int:
     return xs.index(False) if False in xs else len(xs)
 
@@ -160,8 +150,8 @@ def test_hit_query_across_chunk_boundaries_matches_a_per_key_reference(make_stor
         assert s.exists_prefix("ix", ks) == _first_miss(has["ix"])
         assert s.exists_prefix_multi(["kv", "ix"], ks) == _first_miss(present)
         for classes in (1, 3, 8, 64):
-            assert s.exists_each(["kv", "ix"], ks, classes=classes) == _reference(present, classes), (i, classes)
-        assert s.exists_each(["kv"], ks, classes=8) == _reference(has["kv"], 8)
+            assert s.exists_each(["kv", "ix"], ks, classes=classes) == each_reference(present, classes), (i, classes)
+        assert s.exists_each(["kv"], ks, classes=8) == each_reference(has["kv"], 8)
 
 
 def test_key_prefix_asks_about_the_same_keys(make_store):
@@ -237,7 +227,7 @@ def test_a_page_being_dropped_is_a_miss_even_in_a_fully_held_chunk(make_store):
         assert s.exists_prefix_multi(["kv", "ix"], ks) == 100
         assert s.exists_prefix("ix", ks) == 100
         assert s.exists_prefix("kv", ks) == 200  # another payload of the key is not being dropped
-        assert s.exists_each(["kv", "ix"], ks, classes=4) == _reference([i != 100 for i in range(200)], 4)
+        assert s.exists_each(["kv", "ix"], ks, classes=4) == each_reference([i != 100 for i in range(200)], 4)
     finally:
         with s._lock:
             s._dropping.discard(ikey)
@@ -258,5 +248,5 @@ def test_hit_query_over_a_subset_of_many_payloads(make_store, npay):
         first = min(missing[nm] for nm in ask)
         assert s.exists_prefix_multi(ask, ks) == first, ask
         assert s.exists_prefix_multi(ask, ks[:first]) == first, ask
-        assert s.exists_each(ask, ks, classes=4) == _reference([i not in {missing[nm] for nm in ask}
+        assert s.exists_each(ask, ks, classes=4) == each_reference([i not in {missing[nm] for nm in ask}
                                                                 for i in range(n)], 4), ask
