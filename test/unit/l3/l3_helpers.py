@@ -86,7 +86,7 @@ def within(fn, bound):
     return not t.is_alive(), box.get("v")
 
 
-def settle(s, what, deadline_s=30.0):
+def settle(s, what, deadline_s=60.0):
     """Wait (bounded) until the store has no I/O of `what` in flight after a stall was released."""
     end = time.monotonic() + deadline_s
     while s.stats()["inflight"][what] and time.monotonic() < end:
@@ -104,3 +104,28 @@ def each_reference(present: list[bool], classes: int) -> list[bool]:
             missed.add(c)
         out.append(ok and c not in missed)
     return out
+
+
+WAIT_S = 60.0  # bound for state another thread reaches on its own: generous, a loaded CI box is slow
+
+
+def wait_for(pred, what, bound_s=WAIT_S):
+    """Wait (bounded) until pred() holds: state another thread or process reaches asynchronously.
+    `what` names the awaited state in the failure."""
+    end = time.monotonic() + bound_s
+    while not pred():
+        assert time.monotonic() < end, f"not reached within {bound_s:g} s: {what}"
+        time.sleep(0.005)
+
+
+def device_before_bound(monkeypatch, s, pred, what):
+    """A sync caller's bound passes only once pred() holds (bounded), e.g. once its I/O reached the
+    stalled device. A test of a caller whose device hangs needs the I/O stuck there before the bound:
+    on a loaded machine an I/O thread can start only after a short bound passed, and then the op is
+    cancelled and never reaches the device (a different path than the one the test asserts)."""
+    timed_out = s._timed_out
+
+    def held(op, counter):
+        wait_for(pred, what)
+        return timed_out(op, counter)
+    monkeypatch.setattr(s, "_timed_out", held)

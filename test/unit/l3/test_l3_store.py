@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from l3_helpers import page
+from l3_helpers import page, settle, wait_for
 from sglang_cp.l3 import AckKind, L3StartupError, L3Store, parse_l3_config
 from sglang_cp.l3.blob import write_extent
 
@@ -128,6 +128,8 @@ def test_backpressure_blocks_submit_until_pages_are_written(make_store):
     s = make_store(io={"max_inflight_pages": 4, "threads": 2},
                    fault_injector=lambda op, slab, slot: gate.wait(30) if op == "write" else None)
     t, done = _submit_in_thread(s, 10)
+    # The submitter fills the 4 staging slots at its own pace (a loaded machine: seconds), then blocks.
+    wait_for(lambda: s.stats()["inflight"]["staging_pages"] == 4, "the submitter holding all 4 staging slots")
     assert not done.wait(0.5), "submit_write returned although 10 pages cannot fit 4 staging slots"
     assert s.stats()["inflight"]["staging_pages"] == 4
     gate.set()
@@ -154,10 +156,13 @@ def test_stuck_commit_bounds_uncommitted_writes(make_store, monkeypatch):
             gate.wait(30)
     s = make_store(io={"max_inflight_pages": 4, "threads": 2}, fault_injector=injector)
     t, done = _submit_in_thread(s, 40)
+    # The first commit reaches fdatasync and the submitter fills staging on their own threads (a loaded
+    # machine: seconds); wait for both, then the state must hold.
+    wait_for(lambda: syncs, "a group commit reaching fdatasync")
+    wait_for(lambda: s.stats()["inflight"]["staging_pages"] == 4, "the submitter holding all 4 staging slots")
     assert not done.wait(1.0), "submit_write ran on although the commit is stuck"
     # The first commit is stuck with its group; at most the bound's worth of pages was written on top
     # of that group, and what is staged waits.
-    assert syncs, "no commit started"
     assert len(written) <= 4 + 4 + 2, f"{len(written)} pages written while the commit was stuck"
     assert s.stats()["inflight"]["staging_pages"] == 4
     gate.set()
@@ -301,14 +306,11 @@ def test_read_timeout_never_writes_into_outs_afterwards(make_store):
     assert all(s.write_pages("kv", keys(3), [page(i) for i in range(3)]))
     s._pools["kv"].slab.fault_injector = lambda op, slab, slot: gate.wait(30) if op == "read" else None
     o = outs(3)
-    timer = threading.Timer(0.3, gate.set)
-    timer.start()
     res = s.read_pages("kv", keys(3), o, timeout=0.05)
     # Reads land in store memory; only pages verified and copied before the return reach `o`.
     snapshot = [bytes(x) for x in o]
-    timer.join()
-    gate.set()
-    threading.Event().wait(0.2)
+    gate.set()  # the device answers only after the caller gave up
+    settle(s, "reads")  # every late read finished (verified, and delivered or dropped)
     assert [bytes(x) for x in o] == snapshot
     assert all(r is False or bytes(o[i]) == page(i) for i, r in enumerate(res))
 
@@ -355,13 +357,10 @@ def test_write_pages_timeout_never_reads_caller_memory_afterwards(make_store):
     src = aligned_pages(8, P)
     for i, a in enumerate(src):
         a[:] = np.frombuffer(page(i), np.uint8)
-    timer = threading.Timer(0.3, gate.set)
-    timer.start()
     res = s.write_pages("kv", keys(8), src, timeout=0.05)
     for a in src:  # the caller owns its memory again the moment write_pages returns
         a[:] = 0xEE
-    timer.join()
-    gate.set()
+    gate.set()  # the device takes the writes only after the caller reused its memory
     s.write_pages("kv", [b"barrier"], [page(99)])
     o = [np.zeros(P, np.uint8) for _ in range(8)]
     got = s.read_pages("kv", keys(8), o)
