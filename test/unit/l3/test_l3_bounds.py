@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from l3_helpers import aligned_pages, page, settle, within
+from l3_helpers import aligned_pages, device_before_bound, page, settle, within
 from sglang_cp.l3 import AckKind
 
 P = 16384
@@ -67,11 +67,12 @@ def fill(bufs, value):
         b[:] = value
 
 
-def test_read_pages_returns_within_bound_when_reads_never_complete(make_store, stalls):
+def test_read_pages_returns_within_bound_when_reads_never_complete(make_store, stalls, monkeypatch):
     stall = stalls("read")
     s = make_store(fault_injector=stall)
     assert all(s.write_pages("kv", keys(8), [page(i) for i in range(8)]))
     stall.armed = True
+    device_before_bound(monkeypatch, s, stall.entered.is_set, "a read reaching the hung device")
     o = aligned_pages(8, P)  # aligned: the old code read straight into these
     fill(o, 0xAB)
     done, res = within(lambda: s.read_pages("kv", keys(8), o, timeout=BOUND), BOUND * SLACK)

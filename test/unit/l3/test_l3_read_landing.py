@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from l3_helpers import page
+from l3_helpers import device_before_bound, page
 from sglang_cp.l3.aligned import address_of
 
 P = 16384
@@ -52,11 +52,12 @@ def record_landing(store):
     return seen
 
 
-def test_a_stuck_read_keeps_its_landing_area(make_store):
+def test_a_stuck_read_keeps_its_landing_area(make_store, monkeypatch):
     hang = FirstReadHangs()
     s = make_store(fault_injector=hang, io={"threads": 2, "max_inflight_pages": 16})
     assert all(s.write_pages("kv", keys(17), [page(i) for i in range(17)]))
     seen = record_landing(s)
+    device_before_bound(monkeypatch, s, hang.entered.is_set, "the read reaching the hung device")
     hang.armed = True
     o = [np.full(P, 0xAB, np.uint8)]
     try:

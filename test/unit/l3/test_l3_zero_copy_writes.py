@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from l3_helpers import aligned_pages, config_doc, page, settle, slot_of
+from l3_helpers import WAIT_S, aligned_pages, config_doc, device_before_bound, page, settle, slot_of
 from l3_helpers import within as _within
 from sglang_cp.l3.config import L3ConfigError, parse_l3_config
 
@@ -84,6 +84,7 @@ def test_source_changed_after_timeout_is_never_served(make_store, monkeypatch):
         gate.wait()
         return seal(*a)
     monkeypatch.setattr(pool, "seal_zero_copy", late_seal)
+    device_before_bound(monkeypatch, s, entered.is_set, "the I/O thread reaching the caller's page")
     src = filled(1)
     try:
         done, res = within(lambda: s.write_pages("kv", [b"k0"], src, timeout=BOUND))
@@ -104,12 +105,18 @@ def test_source_changed_after_timeout_is_never_served(make_store, monkeypatch):
     assert s.read_pages("kv", [b"k0"], out, timeout=30) == [True] and bytes(out[0]) == page(0)
 
 
-def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls):
+def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls, monkeypatch):
     stall = stalls(once=True)
-    s = make_store(fault_injector=stall, io=dict(ZC, threads=2, max_inflight_pages=4))
+    # Staging for the stuck page and all six others at once: none of them waits for a token, so each
+    # reaches the device however slowly the pwrites go (a page still without a token at the caller's
+    # bound is given up before any I/O, as on a loaded disk with 4 tokens).
+    s = make_store(fault_injector=stall, io=dict(ZC, threads=2, max_inflight_pages=8))
     pool = s._pools["kv"]
     src = filled(1)
     stall.armed = True
+    reached = {"n": 1}  # pwrites that must have reached the device before a caller's bound passes
+    device_before_bound(monkeypatch, s, lambda: len(stall.slots) >= reached["n"],
+                        "the call's pwrites reaching the device")
     done, res = within(lambda: s.write_pages("kv", [b"h0"], src, timeout=BOUND))
     assert done, "write_pages(timeout) waited for a hung zero-copy pwrite past its bound"
     assert res == [False] and stall.slots
@@ -119,7 +126,8 @@ def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls):
     # become durable only once the stuck write returns: a group commits when no write is in flight.)
     okeys = [b"o%d" % i for i in range(6)]
     others = filled(6, 10)
-    done, res = within(lambda: s.write_pages("kv", okeys, others, timeout=BOUND))
+    reached["n"] = 7  # (this call's bound is held until its six pwrites reached the device: wait for it)
+    done, res = within(lambda: s.write_pages("kv", okeys, others, timeout=BOUND), WAIT_S)
     assert done and res == [False] * 6
     assert len(stall.slots) == 7 and stuck not in stall.slots[1:]
     assert pool.slots.used == 7
@@ -134,12 +142,17 @@ def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls):
     assert all(bytes(o) == page(10 + i) for i, o in enumerate(out))
 
 
-def test_hung_disk_bounds_zero_copy_pages_in_flight(make_store, stalls):
+def test_hung_disk_bounds_zero_copy_pages_in_flight(make_store, stalls, monkeypatch):
     """Each zero-copy page under a bound holds a staging token: a dead disk cannot collect an unbounded
     number of pending writes (and their caller-memory references) across backup calls."""
     stall = stalls()
-    s = make_store(fault_injector=stall, io=dict(ZC, threads=2, max_inflight_pages=4))
+    # One I/O thread, parked at the dead disk before the first call's bound passes: the device holds
+    # those writes, as a dead disk does. (An I/O thread that starts only after the bound, on a loaded
+    # machine, finds its pages cancelled and hands their tokens back while they still count in flight
+    # until the write thread reaps them: a momentary count above the bound, not the dead disk's state.)
+    s = make_store(fault_injector=stall, io=dict(ZC, threads=1, max_inflight_pages=4))
     stall.armed = True
+    device_before_bound(monkeypatch, s, lambda: stall.slots, "the I/O thread reaching the dead disk")
     for call in range(2):
         done, res = within(lambda: s.write_pages("kv", [b"c%d-%d" % (call, i) for i in range(8)],
                                                  filled(8), timeout=BOUND))
