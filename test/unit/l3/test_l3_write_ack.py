@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from l3_helpers import config_doc, page
+from l3_helpers import WAIT_S, config_doc, page, wait_for
 from sglang_cp.l3 import L3ConfigError, parse_l3_config
 from sglang_cp.l3.blob import key_digest, key_digester, key_digests
 
@@ -74,11 +74,11 @@ def test_written_ack_returns_before_the_commit_and_reads_its_own_writes(make_sto
 def _written_ack_reads_its_own_writes(s, gate, syncs, returned):
     ks = keys(12)
     t, box = write_in_thread(s, ks, [page(i) for i in range(12)])
-    t.join(20)
+    t.join(WAIT_S)
     # The caller has its answer while the commit is pending (not started, or parked at fdatasync) ...
     assert box.get("ok") == [True] * 12, "write_pages did not return while the group commit was pending"
     returned.set()
-    assert syncs.arrived.wait(20), "no group commit reached fdatasync"
+    assert syncs.arrived.wait(WAIT_S), "no group commit reached fdatasync"
     # ... the index does not have the pages yet (durability is still the commit's) ...
     assert s._index.exists_prefix(s._exists_rows(["kv"], ks)) == 0
     # ... and this process sees and reads them (read-your-writes).
@@ -90,11 +90,7 @@ def _written_ack_reads_its_own_writes(s, gate, syncs, returned):
     # Rewriting a key whose first write is pending is answered at once (dedup on a written task).
     assert s.write_pages("kv", ks[:3], [page(i) for i in range(3)]) == [True] * 3
     gate.set()
-    for _ in range(2000):
-        if s.stats()["occupancy"]["kv"]["durable"] == 12:
-            break
-        threading.Event().wait(0.005)
-    assert s.stats()["occupancy"]["kv"]["durable"] == 12
+    wait_for(lambda: s.stats()["occupancy"]["kv"]["durable"] == 12, "the 12 pages' group commit landing")
     assert s._index.count() == 12
 
 
@@ -108,7 +104,7 @@ def test_durable_ack_default_waits_for_the_commit(make_store):
     # Nothing pending is visible by default: a page counts only once durable.
     assert s.exists_prefix("kv", ks) == 0
     gate.set()
-    t.join(20)
+    t.join(WAIT_S)
     assert box["ok"] == [True] * 6 and s.exists_prefix("kv", ks) == 6
 
 
@@ -123,10 +119,7 @@ def test_written_ack_then_failed_commit_is_a_later_miss_never_bytes(make_store):
     ks = keys(5)
     assert s.write_pages("kv", ks, [page(i) for i in range(5)]) == [True] * 5
     gate.set()
-    for _ in range(2000):
-        if not s.stats()["inflight"]["writes"]:
-            break
-        threading.Event().wait(0.005)
+    wait_for(lambda: not s.stats()["inflight"]["writes"], "the failed group commit settling its pages")
     assert s.stats()["counters"]["write_errors"] >= 1
     assert s.exists_prefix("kv", ks) == 0
     o = [np.zeros(P, np.uint8) for _ in ks]
