@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from l3_helpers import aligned_pages, device_before_bound, page, settle, within
+from l3_helpers import WAIT_S, aligned_pages, device_before_bound, page, settle, wait_for, within
 from sglang_cp.l3 import AckKind
 
 P = 16384
@@ -153,7 +153,7 @@ def test_close_is_bounded_and_fails_pending_writes(make_store, stalls):
     waiter = threading.Thread(target=lambda: sync.setdefault(
         "r", s.write_pages("kv", keys(3, b"w"), [page(i) for i in range(3)], timeout=600)), daemon=True)
     waiter.start()
-    assert stall.entered.wait(10)
+    assert stall.entered.wait(WAIT_S)
     done, err = within(lambda: s.close(), BOUND * SLACK)
     assert done, f"close() (bound {BOUND} s) still joining a writer stuck on the device after {BOUND * SLACK} s"
     assert err is None
@@ -172,13 +172,13 @@ def test_close_is_bounded_with_reads_stuck(make_store, stalls):
     o = aligned_pages(4, P)
     fill(o, 0xAB)
     op = s.submit_read("kv", keys(4), o)
-    assert stall.entered.wait(10)
+    assert stall.entered.wait(WAIT_S)
     done, _ = within(lambda: s.close(), BOUND * SLACK)
     assert done, "close() waited for reads stuck on the device"
     reads = [a for a in s.drain_acks() if a.op == op and a.kind == AckKind.READ]
     assert len(reads) == 4 and not any(a.ok for a in reads)
     stall.gate.set()
-    time.sleep(0.2)  # give the released I/O a chance to (wrongly) land
+    settle(s, "reads")  # the released I/O finished: had it landed in the caller's pages, it has by now
     assert all((np.asarray(x) == 0xAB).all() for x in o), "a read completed after close() touched the caller's pages"
 
 
@@ -190,8 +190,9 @@ def test_submit_blocked_on_backpressure_fails_at_close(make_store, stalls):
     t = threading.Thread(target=lambda: box.setdefault(
         "op", s.submit_write("kv", keys(16), [page(i) for i in range(16)])), daemon=True)
     t.start()
-    assert stall.entered.wait(10)
-    time.sleep(0.2)  # let the submitter reach the wait for a staging slot
+    assert stall.entered.wait(WAIT_S)
+    # Staging full: the submitter's next page waits for a slot (the close() below must free it).
+    wait_for(lambda: s.stats()["inflight"]["staging_pages"] == 4, "the submitter holding all 4 staging slots")
     done, _ = within(lambda: s.close(), BOUND * SLACK)
     assert done, "close() hung"
     t.join(BOUND * SLACK)
