@@ -46,7 +46,7 @@ def _run_ranks(world: int, cases: list[list[int]]) -> dict:
     try:
         for p in procs:
             out, err = p.communicate(timeout=300)  # hang guard: a mismatched collective never returns
-            assert p.returncode == 0, err[-3000:]
+            assert p.returncode == 0, f"rc={p.returncode}\nstdout: {out[-2000:]}\nstderr: {err[-3000:]}"
             line = [l for l in out.splitlines() if l.startswith("RANK_RESULT ")][-1]
             r = json.loads(line.split(" ", 1)[1])
             results[r["rank"]] = r

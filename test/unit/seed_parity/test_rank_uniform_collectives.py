@@ -42,7 +42,7 @@ def test_writing_check_enters_the_collective_on_every_rank_and_drains_the_min():
         for p in procs:
             # hang guard only: a rank-divergent collective never returns
             out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
+            assert p.returncode == 0, f"rc={p.returncode}\nstdout: {out[-2000:]}\nstderr: {err[-3000:]}"
             line = [l for l in out.splitlines() if l.startswith("RANK_RESULT ")][-1]
             r = json.loads(line.split(" ", 1)[1])
             results[r["rank"]] = r["drained"]
