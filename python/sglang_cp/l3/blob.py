@@ -91,17 +91,11 @@ def key_digests(rank: int):
         out = []
         add = out.append
         try:
-            if keys and isinstance(keys[0], str):
-                for k in keys:
-                    h = copy()
-                    h.update(k.encode())
-                    add(h.digest())
-            else:
-                for k in keys:
-                    h = copy()
-                    h.update(k)
-                    add(h.digest())
-        except (TypeError, AttributeError):
+            for k in map(str.encode, keys) if keys and isinstance(keys[0], str) else keys:
+                h = copy()
+                h.update(k)
+                add(h.digest())
+        except TypeError:
             kind = str if isinstance(keys[0], str) else (bytes, bytearray, memoryview)
             bad = next((i for i, k in enumerate(keys) if not isinstance(k, kind)), 0)
             raise TypeError(f"keys: must be all bytes or all str; keys[0] is {type(keys[0]).__name__}, "

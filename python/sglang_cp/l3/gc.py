@@ -205,7 +205,6 @@ class PageLRU:
         """Bulk load at recovery, ordered by the durable last_access. It drops the held table: the caller
         rebuilds it once every pool is seeded (HeldDigests.rebuild_table)."""
         self.clear()
-        self.held.drop_table()
         for k, e in sorted(items, key=lambda kv: kv[1].last_access):
             self._od[k] = e
             self.held.add(ikey_digest(k), self.bit)
@@ -234,11 +233,11 @@ class PageLRU:
         return out
 
     def clear(self) -> None:
-        """Forget every page. Many pages drop the held table (the caller rebuilds it, as after seed)."""
+        """Forget every page. It drops the held table (cold start, the one caller, rebuilds it once after
+        every pool is reset or seeded) instead of a put per discarded key."""
         keys = list(self._od)
         self._od.clear()
-        if len(keys) > 4096:
-            self.held.drop_table()
+        self.held.drop_table()
         for k in keys:
             self.held.discard(ikey_digest(k), self.bit)
 

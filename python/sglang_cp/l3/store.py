@@ -786,9 +786,6 @@ class L3Store:
             mask |= pl.lru.bit
         get, many = self._held.get, self._held.many
         every = mask == (1 << len(self._pools)) - 1
-        # The held values that answer "every asked payload": mask's supersets among the store's bits
-        # (just mask when every payload is asked; counted one by one while they are few).
-        full = [v for v in range(1 << len(self._pools)) if v & mask == mask] if len(self._pools) <= 4 else None
         pending = self._written_pending()
         dropping = self._dropping or None
         n = len(keys)
@@ -802,20 +799,15 @@ class L3Store:
             # Big chunks: the vectorized table (its probes' cache misses overlap); small ones: the dict.
             arr = many(digests) if e - s >= _TABLE_CHUNK else None
             if arr is not None:
-                all_held = np.count_nonzero((arr & mask) == mask) == e - s
-                held = None
+                # Every key of the chunk held (the usual big chunk): one count, no flag list built.
+                if dropping is None and np.count_nonzero((arr & mask) == mask) == e - s:
+                    if classes:
+                        flags += itertools.repeat(True, e - s)
+                    s = e
+                    continue
+                held = arr.tolist()
             else:
                 held = list(map(get, digests, itertools.repeat(0, e - s)))
-                all_held = (sum(map(held.count, full)) if full is not None
-                            else list(map(mask.__and__, held)).count(mask)) == e - s
-            # Every key of the chunk held: no flag list built.
-            if dropping is None and all_held:
-                if classes:
-                    flags += itertools.repeat(True, e - s)
-                s = e
-                continue
-            if held is None:
-                held = arr.tolist()
             # A query of every payload of the store (the usual one) needs no masking: one pass less.
             hit = list(map(mask.__eq__, held if every else map(mask.__and__, held)))
             if (pending is not None and False in hit) or dropping is not None:
