@@ -28,7 +28,7 @@ import numpy as np
 
 from .acks import Ack, AckKind, OpState
 from .aligned import huge_aligned_view
-from .blob import BlobError, key_digester, key_digests, write_extent
+from .blob import BlobError, crc32c, key_digester, key_digests, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
@@ -283,7 +283,9 @@ class L3Store:
                     break
             np.copyto(np.frombuffer(buf, dtype=np.uint8, count=pool.page_bytes),
                       np.frombuffer(view, dtype=np.uint8))
-            task = WriteTask(pool, ikey, digests[i], buf, [(op, i)])
+            # CRC the copy while it is hot in cache, here rather than on an I/O thread: an I/O thread
+            # that checksums is not writing, and the disk then sees fewer than io.threads requests.
+            task = WriteTask(pool, ikey, digests[i], buf, [(op, i)], pcrc=crc32c(buf[: pool.page_bytes]))
             with self._lock:
                 other = self._inflight.get(ikey)  # raced with another submitter of the same key?
                 final = other is not None and self._join_locked(other, op, i)

@@ -49,6 +49,9 @@ class WriteTask:
     seq: int = 0
     error: Optional[str] = None
     written: bool = False                        # its pwrite returned ok; the group commit is pending
+    pcrc: Optional[int] = None                   # payload CRC32C, taken by the submitter right after its
+                                                 # staging copy (bytes still hot in cache), so the I/O
+                                                 # threads only write; None: sealed on the I/O thread
 
     def release_buffer(self, staging: Any) -> None:
         """Give back what this page holds in staging: its slot image, or a zero-copy page's tail block
@@ -210,7 +213,7 @@ class WriteThread:
                         t.error = "cancelled"  # the caller timed out; its memory is off limits
             live = [t for t in run if t.error is None]
             images = [pool.seal_zero_copy(t.src, t.buf, t.slot, t.digest, t.seq) if t.src is not None
-                      else pool.seal_image(t.buf, t.slot, t.digest, t.seq) for t in live]
+                      else pool.seal_image(t.buf, t.slot, t.digest, t.seq, t.pcrc) for t in live]
             try:
                 if len(live) == len(run):
                     pool.slab.write_slots(run[0].slot, images)
