@@ -16,7 +16,8 @@ pages), one run:
              key_prefix, upstream's str page hashes as keys, or encoded where the store takes bytes
              only), timed with the query; then again with rank 0 holding N/8 pages (its share of an 8-rank node:
              the query's lookups are in the rank's held digests, whose size is its page count), synthetic
-             digests added to its HeldDigests (--held-share 0 skips it);
+             digests added to its HeldDigests (--held-share 0 skips it), and that query's two steps alone
+             (the keys' digests; the held table's probes) so a slow host shows which one it is;
              then rank 0 is reopened with cold start 'load' (its 32,768 entries among the N: timed);
   5. I/O     spill (write_pages per 128 pages, to DURABLE) and cold reload (read_pages per 128) of
              --io-mib of 1 MiB pages, against raw O_DIRECT (pwrite x io.threads + fdatasync; preadv)
@@ -238,6 +239,12 @@ def one_size(base: str, n: int, args) -> dict:
                     out[f"share8_{nk}"] = timed(
                         lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
                         or _fail(), runs)
+                    # Where a query's time goes, same run: the keys' digests alone, then the held table's
+                    # probes alone for those digests (one vectorized call; the query probes in chunks).
+                    out[f"digest_{nk}"] = timed(lambda: store._digests(tails(h), ks.prefix(0)), runs)
+                    dg = store._digests(tails(h), ks.prefix(0))
+                    if getattr(held, "many", None) is not None and held.many(dg) is not None:
+                        out[f"probe_{nk}"] = timed(lambda: held.many(dg), runs)
                 held._d.clear()  # synthetic: not the store's pages (it is closed next)
             store.close()
             t0 = time.perf_counter()
@@ -312,7 +319,10 @@ def main():
             build = f", table built in {r['table_build_s']:.2f} s" if "table_build_s" in r else ", no table"
             print(f"  rank 0 holding {r['held']:,} pages (N/8, its share of the node{build}):")
             for nk in (2048, QUERY_KEYS):
-                for cell, what in (("share2", "exists_prefix_multi kv+ix"), ("share8", "exists_each kv+ix, 8 cls ")):
+                for cell, what in (("share2", "exists_prefix_multi kv+ix"), ("share8", "exists_each kv+ix, 8 cls "),
+                                   ("digest", "  part: key digests      "), ("probe", "  part: held-table probes")):
+                    if f"{cell}_{nk}" not in r:
+                        continue
                     wall, cpu = r[f"{cell}_{nk}"]
                     print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
         if "spill_vs_raw" in r:
@@ -324,7 +334,8 @@ def main():
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
           f"wall {time.time() - t_start:.0f} s. Times include the backend's key work (KeyScheme.prefix, and "
           "suffixes where keys pass as bytes); "
-          "'floor' = the same lookups with the keys digested beforehand (LMDB alone), same run.")
+          "'floor' = the same lookups with the keys digested beforehand (LMDB alone), same run; 'part' = one step "
+          "of the N/8 query alone (the keys' blake2b digests; the held table's probes for those digests).")
 
 
 if __name__ == "__main__":
