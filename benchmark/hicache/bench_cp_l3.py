@@ -111,13 +111,13 @@ class PhaseProbes:
         return out
 
 
-def bench_rank(rank, world, port, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,
+def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,
                phases=False):
     from cp_scenarios import tokens_for
 
     # Under sharding a rank's host (and device) pool holds its own stripe; logical capacity is x world.
     host_pages = (-(-n_pages // world) if sharded else n_pages) + 8
-    r = Rank(rank, world, port, l3_config, sharded=sharded, layers=layers, host_pages=host_pages,
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, layers=layers, host_pages=host_pages,
              backend=backend, file_dir=file_dir, cold_start=cold_start)
     probes = PhaseProbes(r) if phases and backend == "cp_l3" else None
     try:

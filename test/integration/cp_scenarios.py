@@ -9,14 +9,14 @@ def tokens_for(n_pages: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(n_pages * PAGE)]
 
 
-def roundtrip(rank, world, port, l3_config, sharded, n_pages, write_phase, cold_start="clear",
+def roundtrip(rank, world, rendezvous, l3_config, sharded, n_pages, write_phase, cold_start="clear",
               do_write=True, salt=0, seed=0, sidecars=False, drop_sidecar_page=None):
     """Back up n_pages, wipe the host pool, prefetch them back, compare this rank's stripe.
 
     drop_sidecar_page: logical page whose DSA indexer payload its owner deletes after the
     backup (a sidecar not durable): the whole logical page and everything after it must miss.
     """
-    r = Rank(rank, world, port, l3_config, sharded=sharded, cold_start=cold_start, sidecars=sidecars)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, cold_start=cold_start, sidecars=sidecars)
     try:
         tokens = tokens_for(n_pages, seed)
         out = {"rank": rank}
@@ -52,12 +52,12 @@ def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def skew(rank, world, port, l3_config, n_pages, slow_rank, fail_rank, fail_nth):
+def skew(rank, world, rendezvous, l3_config, n_pages, slow_rank, fail_rank, fail_nth):
     """One rank writes slowly, another fails its fail_nth page write (EIO at the I/O seam)."""
     import errno
     import time
 
-    r = Rank(rank, world, port, l3_config, sharded=True, extra_args=("--enable-metrics",))
+    r = Rank(rank, world, rendezvous, l3_config, sharded=True, extra_args=("--enable-metrics",))
     try:
         store = r.backend.store
         if rank == slow_rank:
@@ -119,11 +119,11 @@ def skew(rank, world, port, l3_config, n_pages, slow_rank, fail_rank, fail_nth):
         r.close()
 
 
-def identity_probe(rank, world, port, l3_config, n_pages, write, model_name, extra_key, cold_start):
+def identity_probe(rank, world, rendezvous, l3_config, n_pages, write, model_name, extra_key, cold_start):
     """Write under one identity, or read back under another: collisions must be misses."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    r = Rank(rank, world, port, l3_config, sharded=False, cold_start=cold_start, model_name=model_name)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=False, cold_start=cold_start, model_name=model_name)
     try:
         tokens = RadixKey(tokens_for(n_pages, seed=11), extra_key=extra_key)
         out = {"rank": rank}
@@ -141,7 +141,7 @@ def identity_probe(rank, world, port, l3_config, n_pages, write, model_name, ext
         r.close()
 
 
-def count_collectives(rank, world, port, l3_config, sharded, n_pages):
+def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages):
     """Count gloo all_reduce calls per thread: while idle, and for one prefetch."""
     import collections
     import threading
@@ -156,7 +156,7 @@ def count_collectives(rank, world, port, l3_config, sharded, n_pages):
         counts[threading.current_thread().name.split("-")[0]] += 1
         return orig(*a, **k)
     dist.all_reduce = counting
-    r = Rank(rank, world, port, l3_config, sharded=sharded)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded)
     # The store's hit queries (exists_*), to check one per query whatever the sharding.
     store = r.backend.store
     queries = collections.Counter()
@@ -187,11 +187,11 @@ def count_collectives(rank, world, port, l3_config, sharded, n_pages):
         r.close()
 
 
-def placement_assert(rank, world, port, l3_config, n_pages, diverge):
+def placement_assert(rank, world, rendezvous, l3_config, n_pages, diverge):
     """--cp-hicache-placement-assert: agreeing ranks pass; a diverged phase raises on all ranks."""
     from sglang_cp.integration.l3_prefetch_agreement import PlacementMismatch
 
-    r = Rank(rank, world, port, l3_config, sharded=True, extra_args=("--cp-hicache-placement-assert",))
+    r = Rank(rank, world, rendezvous, l3_config, sharded=True, extra_args=("--cp-hicache-placement-assert",))
     try:
         tokens = tokens_for(n_pages, seed=5)
         hi = r.alloc_host(n_pages * PAGE, start_owner=1)
@@ -215,11 +215,11 @@ def placement_assert(rank, world, port, l3_config, n_pages, diverge):
         r.close()
 
 
-def forced_phase_probe(rank, world, port, l3_config, n_pages, write_phase, anchor_phase):
+def forced_phase_probe(rank, world, rendezvous, l3_config, n_pages, write_phase, anchor_phase):
     """Prefetch as the radix cache would under an anchor whose chain fixes the phase."""
     from sglang_cp.integration import l3_prefetch_rotation as rot
 
-    r = Rank(rank, world, port, l3_config, sharded=True)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=True)
     try:
         tokens = tokens_for(n_pages, seed=8)
         hi = r.alloc_host(n_pages * PAGE, start_owner=write_phase)

@@ -15,14 +15,14 @@ import pytest
 from sglang_cp.cachebench.cp_testbed import RankDied, run_ranks
 
 
-def _one_rank_dies(rank, world, port):
+def _one_rank_dies(rank, world, rendezvous):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(600)  # as a peer blocked in a collective the dead rank never enters
     return {"rank": rank}
 
 
-def _all_finish(rank, world, port):
+def _all_finish(rank, world, rendezvous):
     return {"rank": rank}
 
 

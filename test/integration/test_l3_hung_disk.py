@@ -28,7 +28,7 @@ def l3cfg(disk_tmp, request):
     return path, request.param
 
 
-def hung_disk(rank, world, port, l3_config, n_pages):
+def hung_disk(rank, world, rendezvous, l3_config, n_pages):
     import queue
     import threading
     import time
@@ -53,7 +53,7 @@ def hung_disk(rank, world, port, l3_config, n_pages):
         except queue.Empty:  # the controller never acked within the step's limit
             return "no ack", time.monotonic() - t0
 
-    r = Rank(rank, world, port, l3_config, sharded=False)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=False)
     out = {}
     try:
         store = r.backend.store

@@ -40,6 +40,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import traceback
@@ -57,15 +59,13 @@ def page_bytes_pattern(page_i: int, nbytes: int, salt: int = 0):
 
 
 class Rank:
-    def __init__(self, rank, world, port, l3_config, *, sharded, layers=4, host_pages=64,
+    def __init__(self, rank, world, rendezvous, l3_config, *, sharded, layers=4, host_pages=64,
                  cold_start="clear", extra_args=(), layout="page_first", model_name=None,
                  sidecars=False, backend="cp_l3", file_dir=None):
         import torch
         import torch.distributed as dist
 
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
         self.rank, self.world, self.sharded = rank, world, sharded
         self.torch, self.dist = torch, dist
 
@@ -292,17 +292,22 @@ class RankDied(RuntimeError):
 
 
 def run_ranks(world, target, args=(), timeout=240, on_event=None):
-    """Spawn ``world`` rank processes running ``target(rank, world, port, *args) -> dict``.
+    """Spawn ``world`` rank processes running ``target(rank, world, rendezvous, *args) -> dict``.
     ``on_event(rank, event)`` runs in the parent for every ``emit`` of a rank."""
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    # The ranks meet through a file store in a private directory of this call, not a TCP port: a port
+    # picked by bind + close can be taken by another process before rank 0 binds it (EADDRINUSE).
+    rdv_dir = tempfile.mkdtemp(prefix="cp-ranks-")
+    try:
+        return _run(world, target, args, timeout, on_event, f"file://{rdv_dir}/store", mp.get_context("spawn"))
+    finally:
+        shutil.rmtree(rdv_dir, ignore_errors=True)
+
+
+def _run(world, target, args, timeout, on_event, rendezvous, ctx):
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, q)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(target, r, world, rendezvous, args, q)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -353,12 +358,12 @@ def run_ranks(world, target, args=(), timeout=240, on_event=None):
     return [results[r] for r in range(world)]
 
 
-def _entry(target, rank, world, port, args, q):
+def _entry(target, rank, world, rendezvous, args, q):
     global _events, _rank_of_process
     _events, _rank_of_process = q, rank
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     try:
-        res = target(rank, world, port, *args)
+        res = target(rank, world, rendezvous, *args)
     except BaseException:
         res = {"error": traceback.format_exc()}
     q.put((rank, res))

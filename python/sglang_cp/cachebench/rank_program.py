@@ -151,7 +151,7 @@ def _log_to(path: str) -> None:
     os.close(fd)
 
 
-def run_phases(rank, world, port, l3_config, phases, l2_pages, layers, cold_start, host_pages, sidecars,
+def run_phases(rank, world, rendezvous, l3_config, phases, l2_pages, layers, cold_start, host_pages, sidecars,
                log_path=None, prefetch_threshold=0):
     """``phases``: [(name, [Request, ...])]. Returns per-request records and per-phase totals."""
     if log_path:
@@ -161,7 +161,7 @@ def run_phases(rank, world, port, l3_config, phases, l2_pages, layers, cold_star
     # Page compares and copies are ~300 KB each: torch's intra-op thread pool only adds
     # barrier spinning, and N ranks already share the cores.
     torch.set_num_threads(1)
-    r = Rank(rank, world, port, l3_config, sharded=world > 1, layers=layers, host_pages=host_pages,
+    r = Rank(rank, world, rendezvous, l3_config, sharded=world > 1, layers=layers, host_pages=host_pages,
              cold_start=cold_start, sidecars=sidecars)
     try:
         b = Bench(r, l2_pages, prefetch_threshold)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, port: int, cases: list[list[int]], hidden: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def main(rank: int, world: int, rendezvous: str, cases: list[list[int]], hidden: int) -> None:
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import GroupCoordinator
 
@@ -78,4 +78,4 @@ def _one_case(rank, world, group, seq_lens, hidden):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5]))

@@ -24,9 +24,9 @@ class _DoneEvent:
         return None
 
 
-def main(rank: int, world: int, port: int, acks_per_round: list[int]) -> None:
+def main(rank: int, world: int, rendezvous: str, acks_per_round: list[int]) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "gloo", init_method=rendezvous, rank=rank, world_size=world
     )
     from sglang.srt.managers.cache_controller import HiCacheAck, HiCacheController
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -62,4 +62,4 @@ def main(rank: int, world: int, port: int, acks_per_round: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]))

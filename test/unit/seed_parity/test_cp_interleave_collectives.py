@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -25,19 +24,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HIDDEN = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(d) -> str:
+    """The ranks meet through a file store in a fresh private directory: a TCP port picked by bind +
+    close can be taken by another process before rank 0 binds it."""
+    return f"file://{d}/store"
 
 
-def _run_ranks(world: int, cases: list[list[int]]) -> dict:
-    port = _free_port()
+def _run_ranks(world: int, cases: list[list[int]], rdv_dir) -> dict:
+    rendezvous = _rendezvous(rdv_dir)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_cp_collective_rank.py"), str(r), str(world),
-             str(port), json.dumps(cases), str(HIDDEN)],
+             rendezvous, json.dumps(cases), str(HIDDEN)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for r in range(world)
@@ -65,9 +64,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
-def world_results(request):
+def world_results(request, tmp_path_factory):
     """One launch per CP size runs every case (process start-up dominates)."""
-    return request.param, _run_ranks(request.param, CASES)
+    return request.param, _run_ranks(request.param, CASES, tmp_path_factory.mktemp("rdv"))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])

@@ -175,16 +175,11 @@ class _Streamer:
 
 
 @pytest.fixture
-def gloo_world_of_one():
+def gloo_world_of_one(tmp_path):
     """pop_transferred agrees on holds with an all-reduce over its gloo group."""
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:

@@ -11,28 +11,27 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(d) -> str:
+    """The ranks meet through a file store in a fresh private directory: a TCP port picked by bind +
+    close can be taken by another process before rank 0 binds it."""
+    return f"file://{d}/store"
 
 
-def test_writing_check_enters_the_collective_on_every_rank_and_drains_the_min():
-    port = _free_port()
+def test_writing_check_enters_the_collective_on_every_rank_and_drains_the_min(tmp_path):
+    rendezvous = _rendezvous(tmp_path)
     # acks arriving per round on each rank: rank 1 lags, then catches up
     schedule = {0: [1, 0, 2, 0, 0], 1: [0, 0, 1, 2, 0]}
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_writing_check_rank.py"), str(r), "2",
-             str(port), json.dumps(schedule[r])],
+             rendezvous, json.dumps(schedule[r])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for r in (0, 1)
