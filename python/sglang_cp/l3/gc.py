@@ -17,10 +17,20 @@ from .errors import L3InvariantError
 from .index import IndexEntry, ikey_digest
 
 _QQ = struct.Struct("<QQ")  # a 16-byte digest as two little-endian words
-_VAL = 0xFFFF               # the low 16 bits of a table slot's second word hold its value (0: empty slot)
+_VAL = 0xFFFF               # the low 16 bits of a table slot hold its value (0: empty slot)
 _TOMB = 0x8000              # value of a key no pool holds any more (its slot stays in the probe chain)
-_MAX_LOAD = 0.7             # used slots (held + tombs) per table slot that trigger a rebuild
+_BUILD_LOAD = 0.625         # a (re)built table holds at most this many keys per slot
+_MAX_LOAD = 0.75            # used slots (held + tombs) per table slot that trigger a rebuild (>= 1/8 of
+                            # the table between a rebuild and the next)
 _MAX_PROBES = 64            # batch lookups probe this far, then ask the dict (bounded under concurrent puts)
+
+
+def _capacity(n: int) -> int:
+    """Slots for n keys: a power of two, at least 4096, at most _BUILD_LOAD full."""
+    cap = 4096
+    while n > _BUILD_LOAD * cap:
+        cap <<= 1
+    return cap
 
 
 class HeldDigests:
@@ -28,15 +38,18 @@ class HeldDigests:
     query maps `get` over digests: one C lookup per key for all payloads, no index keys built.
 
     Beside the dict, a mirror for batch lookups (`many`): an open-addressing table (linear probing) in
-    one numpy array of two 64-bit words per slot: the digest's first word, then its second word with the
-    low 16 bits replaced by the value (pool bits; _TOMB once no pool holds the key; 0 = empty). Digests
-    are blake2b output, so the first word's low bits are the home slot, and 112 bits of key compared
-    leave a false match at ~2^-112 per probe (a hit that read_pages, which asks the index, would turn
-    into a miss; never bytes). A dict lookup per key costs a few dependent cache misses, one key after
-    another; at a rank's share of a node (millions of pages) that is most of a 16K-key hit query. The
-    table's vectorized probes cost one cache line per key and issue them together.
+    one numpy array of one 64-bit word per slot: the digest's first word with its low 16 bits replaced by
+    the value (pool bits; _TOMB once no pool holds the key; 0 = empty). The home slot comes from the
+    digest's second word, so the 48 key bits a slot keeps are independent of where it sits: digests are
+    blake2b output, and a false match is ~2^-48 per probe (a hit that read_pages, which asks the index,
+    turns into a miss; never bytes). A dict lookup per key costs a few dependent cache misses, one key
+    after another; at a rank's share of a node (millions of pages) that is most of a 16K-key hit query.
+    The table's vectorized probes cost one random memory access per key and issue them together, and
+    at 8 bytes per slot and up to 0.625 load the table stays small (2.5M held pages: 32 MB): on a host
+    where a random access into a 128 MB table cost ~6 ms per 16K keys (nested paging), a table of 32 MB
+    did not (docs_internal/bench_results.md, sections 10 and 12).
     Written by the one thread that writes the dict (the store's write thread; recovery before it starts),
-    read by any: a put writes the first word, then the second (value included), and a rebuild swaps one
+    read by any: a put is one aligned 64-bit store (key and value together), and a rebuild swaps one
     tuple, so a concurrent batch lookup sees a key as held, not held, or (around a discard) still held,
     as a dict lookup can. `drop_table` / `rebuild_table` bracket bulk changes (cold start) so they cost
     one vectorized build instead of a put per key."""
@@ -44,7 +57,7 @@ class HeldDigests:
     def __init__(self):
         self._d: dict[bytes, int] = {}
         self.get = self._d.get
-        self._table: Optional[tuple] = None  # (slots: uint64 [cap, 2], cap - 1), swapped whole
+        self._table: Optional[tuple] = None  # (slots: uint64 [cap], cap - 1), swapped whole
         self._used = 0                       # table slots holding a key (held or tomb)
 
     def add(self, digest: bytes, bit: int) -> None:
@@ -72,10 +85,10 @@ class HeldDigests:
         self._table = None
 
     def rebuild_table(self) -> None:
-        """Build the table from the dict: two to four slots per key, no tombs."""
+        """Build the table from the dict, no tombs."""
         n = len(self._d)
-        cap = 1 << max(12, (2 * n + 1024).bit_length())
-        tab = np.zeros((cap, 2), np.uint64)
+        cap = _capacity(n)
+        tab = np.zeros(cap, np.uint64)
         if n:
             raw = b"".join(self._d)
             if len(raw) != 16 * n:
@@ -85,17 +98,16 @@ class HeldDigests:
             if vals.max(initial=0) >= _TOMB:  # more pools than the value has bits: the dict answers
                 self._table = None
                 return
-            k0 = keys[0::2]
-            k1 = (keys[1::2] & ~np.uint64(_VAL)) | vals.astype(np.uint64)
+            words = (keys[0::2] & ~np.uint64(_VAL)) | vals.astype(np.uint64)
             m = np.uint64(cap - 1)
-            pos = k0 & m
+            pos = keys[1::2] & m
             todo = np.arange(n)
             while todo.size:  # each round places, per free slot wanted, the first key that wants it
                 p = pos[todo]
-                free = (tab[p, 1] & np.uint64(_VAL)) == 0
+                free = (tab[p] & np.uint64(_VAL)) == 0
                 slots, first = np.unique(p[free], return_index=True)
                 won = todo[free][first]
-                tab[slots, 0], tab[slots, 1] = k0[won], k1[won]
+                tab[slots] = words[won]
                 placed = np.zeros(n, bool)
                 placed[won] = True
                 todo = todo[~placed[todo]]
@@ -109,22 +121,21 @@ class HeldDigests:
             return
         tab, m = self._table
         a, b = _QQ.unpack(digest)
-        b &= ~_VAL
-        i = a & m
+        a &= ~_VAL
+        i = b & m
         while True:
-            w1 = int(tab[i, 1])
-            if not w1 & _VAL:  # an empty slot: the key is not in the table
+            w = int(tab[i])
+            if not w & _VAL:  # an empty slot: the key is not in the table
                 if not value:
                     return
                 if self._used + 1 > _MAX_LOAD * (m + 1):
                     self.rebuild_table()  # the dict already has this key
                     return
-                tab[i, 0] = a  # first word first: a reader that sees the value sees the key
-                tab[i, 1] = b | value
+                tab[i] = a | value  # one 64-bit store: a reader sees the key with its value or not at all
                 self._used += 1
                 return
-            if w1 & ~_VAL == b and int(tab[i, 0]) == a:
-                tab[i, 1] = b | (value or _TOMB)
+            if w & ~_VAL == a:
+                tab[i] = a | (value or _TOMB)
                 return
             i = (i + 1) & m
 
@@ -137,22 +148,20 @@ class HeldDigests:
         if t is None:
             return None
         tab, m = t
-        rows16 = tab.view(np.complex128).reshape(-1)  # a slot as one 16-byte item: take() copies it whole
         n = len(digests)
         raw = b"".join(digests)
         if len(raw) != 16 * n:
             raise L3InvariantError("HeldDigests.many: a digest that is not 16 bytes")
         q = np.frombuffer(raw, dtype="<u8")
         vm = np.uint64(_VAL)
-        q0, q1 = q[0::2], q[1::2] & ~vm
+        q0 = q[0::2] & ~vm
         out = np.zeros(n, np.uint64)
         idx = None  # positions in `digests` still probing (None: all of them)
-        pos = (q0 & np.uint64(m)).astype(np.intp)
+        pos = (q[1::2] & np.uint64(m)).astype(np.intp)
         for _ in range(_MAX_PROBES):
-            rows = rows16.take(pos).view(np.uint64)  # one cache line per key
-            w1 = rows[1::2]
-            v = w1 & vm
-            found = (rows[0::2] == q0) & ((w1 & ~vm) == q1) & (v != 0)
+            w = tab.take(pos)  # one random access per key, issued together
+            v = w & vm
+            found = ((w & ~vm) == q0) & (v != 0)
             if idx is None:
                 out[found] = v[found]
             else:
@@ -161,7 +170,7 @@ class HeldDigests:
             if not go.any():
                 break
             idx = np.flatnonzero(go) if idx is None else idx[go]
-            q0, q1, pos = q0[go], q1[go], (pos[go] + 1) & m
+            q0, pos = q0[go], (pos[go] + 1) & m
         else:
             get = self._d.get
             out[idx] = [get(digests[i], 0) for i in idx.tolist()]

@@ -17,11 +17,11 @@ P = 4096
 
 
 def _digest(rng: random.Random, home: int = None) -> bytes:
-    """A random 16-byte digest; with `home`, its first word's low 12 bits are `home` (one probe chain
+    """A random 16-byte digest; with `home`, its second word's low 12 bits are `home` (one probe chain
     in a 4096-slot table)."""
     a, b = rng.getrandbits(64), rng.getrandbits(64)
     if home is not None:
-        a = (a & ~0xFFF) | home
+        b = (b & ~0xFFF) | home
     return struct.pack("<QQ", a, b)
 
 
@@ -39,7 +39,7 @@ def test_the_table_answers_what_the_dict_answers_through_puts_discards_and_rebui
     cap0 = h._table[1] + 1
     live: list[bytes] = []
     chain = [_digest(rng, home=5) for _ in range(40)]  # one long probe chain with tombs inside it
-    others = [_digest(rng) for _ in range(3000)]       # enough to grow the table past its first size
+    others = [_digest(rng) for _ in range(4000)]       # enough to grow the table past its first size
     absent = [_digest(rng) for _ in range(500)] + [_digest(rng, home=5) for _ in range(20)]
     for d in chain:
         h.add(d, 1)
