@@ -44,6 +44,8 @@ def test_the_table_answers_what_the_dict_answers_through_puts_discards_and_rebui
     for d in chain:
         h.add(d, 1)
         h.add(d, 2)
+    tab = h._table[0]
+    assert ((tab[5:5 + 40] & 0xFFFF) != 0).all(), "the chain's keys do not sit in one probe run from slot 5"
     for i, d in enumerate(chain):
         if i % 3 == 0:
             h.discard(d, 1)
