@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import tempfile
 import threading
 import time
@@ -298,11 +297,8 @@ def run_ranks(world, target, args=(), timeout=240, on_event=None):
 
     # The ranks meet through a file store in a private directory of this call, not a TCP port: a port
     # picked by bind + close can be taken by another process before rank 0 binds it (EADDRINUSE).
-    rdv_dir = tempfile.mkdtemp(prefix="cp-ranks-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="cp-ranks-", ignore_cleanup_errors=True) as rdv_dir:
         return _run(world, target, args, timeout, on_event, f"file://{rdv_dir}/store", mp.get_context("spawn"))
-    finally:
-        shutil.rmtree(rdv_dir, ignore_errors=True)
 
 
 def _run(world, target, args, timeout, on_event, rendezvous, ctx):

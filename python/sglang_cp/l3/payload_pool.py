@@ -6,8 +6,6 @@ start). Slot I/O (`seal_*`, `verify_landed`) runs on I/O threads and touches onl
 
 from __future__ import annotations
 
-from typing import Optional
-
 from .aligned import ALIGN, BounceBuffers, address_of
 from .blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
                    parse_header, payload_tag, write_extent)
@@ -54,12 +52,9 @@ class PayloadPool:
 
     # -- slot I/O (I/O threads) ---------------------------------------------------------------------
 
-    def seal_image(self, image: memoryview, slot: int, digest: bytes, seq: int,
-                   pcrc: Optional[int] = None) -> list[memoryview]:
-        """`image[:page_bytes]` (staging) already holds the payload; add CRC + header: one iovec. `pcrc`:
-        the payload's CRC32C when the submitter took it (staging is ours from the copy on, so it holds)."""
-        if pcrc is None:
-            pcrc = crc32c(image[: self.page_bytes])
+    def seal_image(self, image: memoryview, slot: int, digest: bytes, seq: int, pcrc: int) -> list[memoryview]:
+        """`image[:page_bytes]` (staging) already holds the payload, whose CRC32C `pcrc` the submitter took
+        after copying it (staging is ours from the copy on, so it holds); add the header: one iovec."""
         image[self.page_bytes: self.page_bytes + HEADER_BYTES] = self._header(slot, digest, seq, pcrc)
         return [image[: self.extent]]
 

@@ -49,9 +49,9 @@ class WriteTask:
     seq: int = 0
     error: Optional[str] = None
     written: bool = False                        # its pwrite returned ok; the group commit is pending
-    pcrc: Optional[int] = None                   # payload CRC32C, taken by the submitter right after its
-                                                 # staging copy (bytes still hot in cache), so the I/O
-                                                 # threads only write; None: sealed on the I/O thread
+    pcrc: Optional[int] = None                   # staged pages: payload CRC32C, taken by the submitter
+                                                 # right after its copy (bytes still hot in cache), so the
+                                                 # I/O threads only write; zero-copy pages: None
 
     def release_buffer(self, staging: Any) -> None:
         """Give back what this page holds in staging: its slot image, or a zero-copy page's tail block

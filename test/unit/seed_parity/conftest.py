@@ -48,3 +48,9 @@ def topology(*, tp_size: int, attn_tp_size: int, attn_cp_size: int, **ranks):
         **ranks,
     ):
         yield get_parallel()
+
+
+def gloo_rendezvous(d) -> str:
+    """A gloo init method for rank processes: a file store in the fresh private directory `d`. A TCP
+    port picked by bind + close can be taken by another process before rank 0 binds it."""
+    return f"file://{d}/store"

@@ -20,18 +20,14 @@ import sys
 import pytest
 import torch
 
+from conftest import gloo_rendezvous
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HIDDEN = 8
 
 
-def _rendezvous(d) -> str:
-    """The ranks meet through a file store in a fresh private directory: a TCP port picked by bind +
-    close can be taken by another process before rank 0 binds it."""
-    return f"file://{d}/store"
-
-
 def _run_ranks(world: int, cases: list[list[int]], rdv_dir) -> dict:
-    rendezvous = _rendezvous(rdv_dir)
+    rendezvous = gloo_rendezvous(rdv_dir)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     procs = [
         subprocess.Popen(

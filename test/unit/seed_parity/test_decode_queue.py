@@ -14,7 +14,7 @@ from array import array
 import pytest
 import torch
 
-from conftest import WORDS
+from conftest import WORDS, gloo_rendezvous
 
 
 class _ClearTracking:
@@ -179,7 +179,7 @@ def gloo_world_of_one(tmp_path):
     """pop_transferred agrees on holds with an all-reduce over its gloo group."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=gloo_rendezvous(tmp_path), rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:

@@ -14,17 +14,13 @@ import os
 import subprocess
 import sys
 
+from conftest import gloo_rendezvous
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _rendezvous(d) -> str:
-    """The ranks meet through a file store in a fresh private directory: a TCP port picked by bind +
-    close can be taken by another process before rank 0 binds it."""
-    return f"file://{d}/store"
-
-
 def test_writing_check_enters_the_collective_on_every_rank_and_drains_the_min(tmp_path):
-    rendezvous = _rendezvous(tmp_path)
+    rendezvous = gloo_rendezvous(tmp_path)
     # acks arriving per round on each rank: rank 1 lags, then catches up
     schedule = {0: [1, 0, 2, 0, 0], 1: [0, 0, 1, 2, 0]}
     env = dict(os.environ, PYTHONWARNINGS="ignore")
