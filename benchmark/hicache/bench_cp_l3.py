@@ -26,7 +26,7 @@ on its own device. Two directories on one filesystem are refused; two on one dis
 (loop images on it) run with a warning, since they cannot show scaling.
 
     python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
-        [--backup-ack durable|written|both] [--zero-copy off|on|both] [--phases]
+        [--backup-ack durable|written|operation|both|LIST] [--zero-copy off|on|both] [--phases]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "test", "integration"))
 from cp_harness import PAGE, Rank, run_ranks  # noqa: E402
 
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
+from sglang_cp.l3.config import BACKUP_ACKS  # noqa: E402
 
 
 class PhaseProbes:
@@ -426,8 +427,9 @@ def main():
     p.add_argument("--threads", type=int, default=4, help="requests in flight per writer: the raw rows' threads and our rows' io.threads")
     p.add_argument("--disks", default=None, help="DIR0,DIR1 on two devices: add CP=2 rows with rank_to_disk")
     p.add_argument("--configs", default=None, help="';'-separated subset of row names (default: all; the file row always runs)")
-    p.add_argument("--backup-ack", default="durable", choices=("durable", "written", "both"),
-                   help="durability.backup_ack of our rows; 'both' adds a 'written' row after each durable one")
+    p.add_argument("--backup-ack", default="durable",
+                   help="durability.backup_ack of our rows: durable, written, operation, or a comma-separated list "
+                        "(one row per value after each config); 'both' = durable,written")
     p.add_argument("--zero-copy", default="off", choices=("off", "on", "both"),
                    help="io.zero_copy_writes of our rows; 'both' adds a 'zero-copy' row after each copying one")
     p.add_argument("--phases", action="store_true",
@@ -459,7 +461,10 @@ def main():
     if args.configs:
         keep = set(args.configs.split(";"))
         configs = [c for c in configs if c[0] in keep or c[0].startswith("upstream")]
-    acks = {"durable": ["durable"], "written": ["written"], "both": ["durable", "written"]}[args.backup_ack]
+    acks = ["durable", "written"] if args.backup_ack == "both" else args.backup_ack.split(",")
+    bad = [a for a in acks if a not in BACKUP_ACKS]
+    if bad:
+        p.error(f"--backup-ack: {', '.join(bad)} is not one of {', '.join(BACKUP_ACKS)} (or 'both')")
     zcs = {"off": [False], "on": [True], "both": [False, True]}[args.zero_copy]
     rows = []
     for name, backend, world, sharded, dk in configs:
@@ -468,7 +473,7 @@ def main():
             continue
         for ack in acks:
             for zc in zcs:
-                label = name + (", ack written" if ack != "durable" else "") + (", zero-copy" if zc else "")
+                label = name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
                 rows.append((label, backend, world, sharded, dk, ack, zc))
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
@@ -495,7 +500,8 @@ def main():
         table = Table(title=f"HiCache storage path, {pages} pages x {args.layers} layers "
                             f"({pages * args.layers * PAGE * 1152 / 1e9:.2f} GB logical), median of "
                             f"{args.reps} (min-max); write = until upstream's backup ack (durable, file: + syncfs; "
-                            "'ack written': pages in their slots, commit pending); read = cold prefetch")
+                            "'ack written': pages in their slots, commit pending; 'ack operation': the operation's ack after all its "
+                            "pages are durable, its batches staged without waiting); read = cold prefetch")
         for col in ("config", "bytes/rank", "write GB/s/rank", "read GB/s/rank", "backup s (e2e)",
                     "prefetch s (e2e)", "node write GB/s", "node read GB/s", "node W x raw", "node R x raw",
                     "write x file", "read x file"):

@@ -256,11 +256,55 @@ class CpL3Storage(HiCacheStorage):
         # Returns per the L3 config's durability.backup_ack: "durable" (data -> fdatasync -> index
         # commit, the default) or "written" (in its slot and readable by this process; durable once
         # its group commit lands). Upstream only needs the page readable by this process; a restart
-        # reads the index alone. docs_internal/l3_write_ack.md.
+        # reads the index alone. "operation": inside an upstream backup operation (begin_backup, by
+        # the l3_backup_operation hook) the call returns once its pages are staged, and end_backup
+        # waits for all of them before upstream acks the operation. docs_internal/l3_write_ack.md.
+        ops = getattr(_tls, "backup", None)
+        if ops is not None:
+            base = _tls.backup_pages
+            _tls.backup_pages += len(keys)
+            ops.append((base, mine, self.store.start_write_pages(payload, store_keys, pages,
+                                                                 timeout=WRITE_TIMEOUT_S)))
+            return results  # provisional for our pages: end_backup reports the ones not stored
         ok = self.store.write_pages(payload, store_keys, pages, timeout=WRITE_TIMEOUT_S)
         for (i, _row), good in zip(mine, ok):
             results[i] = bool(good)
         return results
+
+    # ------------------------------------------------------------------ backup operations
+    @property
+    def backup_per_operation(self) -> bool:
+        """durability.backup_ack = "operation": one upstream backup operation waits once, at its end."""
+        return self.store is not None and self.store.config.backup_ack == "operation"
+
+    def begin_backup(self) -> None:
+        """Open an upstream backup operation on this (the backup) thread: until end_backup, each
+        batch_set returns once its pages are staged, so the next batch is staged while this one is
+        written, and no batch waits for its own fdatasync and index commit."""
+        if getattr(_tls, "backup", None) is not None:
+            raise RuntimeError("sglang-cp L3: begin_backup while a backup operation is open on this thread")
+        _tls.backup = []  # (operation page of the call's first key, [(key i, host row)], PendingWrite)
+        _tls.backup_pages = 0
+
+    def end_backup(self) -> Optional[int]:
+        """Close the open operation: wait for each of its writes within the write's own bound, then
+        return the operation's first page that was not stored (None: every page is durable). Every
+        write is waited for even if one raises, so no zero-copy write reads upstream's host pages
+        after the operation's ack releases them."""
+        ops, _tls.backup = getattr(_tls, "backup", None) or [], None
+        first_bad, error = None, None
+        for base, mine, pending in ops:
+            try:
+                ok = self.store.finish_write_pages(pending)
+            except Exception as e:  # noqa: BLE001  (re-raised below, after the other writes)
+                error = error or e
+                ok = [False] * len(mine)
+            for (i, _row), good in zip(mine, ok):
+                if not good and (first_bad is None or base + i < first_bad):
+                    first_bad = base + i
+        if error is not None:
+            raise error
+        return first_bad
 
     def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
         results = [True] * len(keys)

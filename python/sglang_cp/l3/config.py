@@ -31,7 +31,7 @@ ALIGN = 4096
 SLAB_SUBDIR = "sglang-cp-l3"  # the store's directory under each disk path
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")
-BACKUP_ACKS = ("durable", "written")
+BACKUP_ACKS = ("durable", "written", "operation")
 # Upper bounds, so an absurd value is a config error naming the field instead of an OverflowError or an
 # allocation failure at store open.
 MAX_DISK_BYTES = 2**62            # a slab is one file: its size must be a valid off_t with room to spare
@@ -80,7 +80,9 @@ class L3Config:
     io: IoConfig = IoConfig()
     plp_policy: str = "warn"
     # When the HiCache backend returns a backup to SGLang: "durable" (data -> fdatasync -> index
-    # commit) or "written" (pwrite done; the commit follows in a group). docs_internal/l3_write_ack.md
+    # commit), "written" (pwrite done; the commit follows in a group) or "operation" (each batch of an
+    # upstream backup operation returns once staged; the operation's ack waits until every page of it
+    # is durable). docs_internal/l3_write_ack.md
     backup_ack: str = "durable"
     rank_to_disk: dict[int, str] = field(default_factory=dict)
     slot_bytes: dict[str, int] = field(default_factory=dict)

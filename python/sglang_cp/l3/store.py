@@ -22,6 +22,7 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -341,10 +342,24 @@ class L3Store:
         indexed: the caller may reuse its memory once we return). Under durability.backup_ack =
         "written" a page is True once written to its slot (readable by this store at once, durable when
         its group commit lands; a failed commit makes it a later miss)."""
+        return self.finish_write_pages(self.start_write_pages(payload, keys, pages, timeout))
+
+    def start_write_pages(self, payload: str, keys: list[bytes], pages: list,
+                          timeout: Optional[float] = None) -> "PendingWrite":
+        """write_pages' first half: stage the pages (copied, or under zero-copy referenced) and return
+        without waiting for the disk; finish_write_pages(pending) is the second half. Between the two,
+        zero-copy writes may still read `pages`: the caller keeps them unchanged until it has finished
+        (upstream's backup keeps its host pages locked until the backup operation's ack). The timeout
+        counts from this call."""
         deadline = None if timeout is None else time.monotonic() + timeout
         zero_copy = timeout is None or self.config.io.zero_copy_writes
         op = self._submit_write(payload, keys, pages, True, zero_copy=zero_copy, deadline=deadline,
                                 ack_at_write=self._ack_at_write)
+        return PendingWrite(op, deadline)
+
+    def finish_write_pages(self, pending: "PendingWrite") -> list[bool]:
+        """Wait for a started write as write_pages does, within its deadline; per page True if stored."""
+        op, deadline = pending.op, pending.deadline
         if not op.done.wait(_left(deadline)):
             self._timed_out(op, "write_timeouts")
         # Zero-copy only: no I/O may read the caller's pages after we return. Without a bound, wait for
@@ -1022,6 +1037,13 @@ cold_start_fn = cold_start
 def _landing_bytes(pool: PayloadPool) -> int:
     """One landing area for a payload: the longest coalesced read (_read_runs), whole slot extents."""
     return max(1, _READ_IO_BYTES // pool.extent) * pool.extent
+
+
+@dataclass(frozen=True)
+class PendingWrite:
+    """A write_pages call between start_write_pages and finish_write_pages."""
+    op: OpState
+    deadline: Optional[float]
 
 
 def _left(deadline: Optional[float]) -> Optional[float]:

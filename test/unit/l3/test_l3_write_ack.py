@@ -162,6 +162,8 @@ def test_key_digester_matches_key_digest():
 
 
 def test_backup_ack_is_validated(l3_root):
-    with pytest.raises(L3ConfigError, match=r"durability\.backup_ack: 'soon' is not one of durable, written"):
+    with pytest.raises(L3ConfigError,
+                       match=r"durability\.backup_ack: 'soon' is not one of durable, written, operation"):
         parse_l3_config(config_doc(l3_root, durability={"plp_policy": "ignore", "backup_ack": "soon"}))
     assert parse_l3_config(config_doc(l3_root)).backup_ack == "durable"
+    assert parse_l3_config(config_doc(l3_root, durability={"backup_ack": "operation"})).backup_ack == "operation"
