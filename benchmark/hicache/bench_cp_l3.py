@@ -26,7 +26,7 @@ on its own device. Two directories on one filesystem are refused; two on one dis
 (loop images on it) run with a warning, since they cannot show scaling.
 
     python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
-        [--backup-ack durable|written|operation|both|LIST] [--zero-copy off|on|both] [--phases]
+        [--backup-ack durable|written|operation|both|LIST] [--zero-copy off|on|both] [--phases] [--no-file]
 """
 
 from __future__ import annotations
@@ -426,7 +426,11 @@ def main():
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--threads", type=int, default=4, help="requests in flight per writer: the raw rows' threads and our rows' io.threads")
     p.add_argument("--disks", default=None, help="DIR0,DIR1 on two devices: add CP=2 rows with rank_to_disk")
-    p.add_argument("--configs", default=None, help="';'-separated subset of row names (default: all; the file row always runs)")
+    p.add_argument("--configs", default=None,
+                   help="';'-separated subset of row names (default: all; the file row runs unless --no-file)")
+    p.add_argument("--no-file", action="store_true",
+                   help="skip upstream's file row (its 'x file' columns print '-'): for runs that compare our "
+                        "modes against raw only, where the file row's minutes are not wanted")
     p.add_argument("--backup-ack", default="durable",
                    help="durability.backup_ack of our rows: durable, written, operation, or a comma-separated list "
                         "(one row per value after each config); 'both' = durable,written")
@@ -461,6 +465,8 @@ def main():
     if args.configs:
         keep = set(args.configs.split(";"))
         configs = [c for c in configs if c[0] in keep or c[0].startswith("upstream")]
+    if args.no_file:
+        configs = [c for c in configs if c[1] != "file"]
     acks = ["durable", "written"] if args.backup_ack == "both" else args.backup_ack.split(",")
     bad = [a for a in acks if a not in BACKUP_ACKS]
     if bad:
@@ -495,7 +501,7 @@ def main():
     console = Console(width=280)
     for pages in sizes:
         group = [s for s in summaries if s["pages"] == pages]
-        base = group[0]
+        base = next((s for s in group if s["name"].startswith("upstream")), None)
         raw = {(s["world"], s["disks"]): s for s in group if s["name"].startswith("raw")}
         table = Table(title=f"HiCache storage path, {pages} pages x {args.layers} layers "
                             f"({pages * args.layers * PAGE * 1152 / 1e9:.2f} GB logical), median of "
@@ -513,8 +519,8 @@ def main():
             table.add_row(s["name"], f"{s['bytes_rank'] / 1e9:.2f} GB", fmt(s["write_gbps_rank"]),
                           fmt(s["read_gbps_rank"]), fmt(s["write_s"]), fmt(s["read_s"]),
                           fmt(s["node_write_gbps"]), fmt(s["node_read_gbps"]), *vs_raw,
-                          f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
-                          f"{base['read_s'][0] / s['read_s'][0]:.2f}x")
+                          *((f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
+                             f"{base['read_s'][0] / s['read_s'][0]:.2f}x") if base else ("-", "-")))
         console.print(table)
         if disks:
             from sglang_cp.l3.devices import disk_chain

@@ -59,6 +59,28 @@ def test_bench_cp_l3_smoke(disk_tmp):
     assert rows[2]["phases"]["index_commit"]["n"] >= 1, rows[2]
 
 
+def test_bench_cp_l3_operation_ack_without_the_file_row(disk_tmp):
+    """--no-file drops upstream's file row (its columns print '-'); --backup-ack takes a list, here the
+    per-operation ack through upstream's backup thread."""
+    out = disk_tmp / "cp.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+         str(disk_tmp), "--json", str(out), "--no-file", "--backup-ack", "durable,operation",
+         "--configs", "raw O_DIRECT, 1 writer;ours, CP=1"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    rows = json.loads(out.read_text())
+    assert [s["name"] for s in rows] == ["raw O_DIRECT, 1 writer", "ours, CP=1", "ours, CP=1, ack operation"]
+    assert [s["backup_ack"] for s in rows[1:]] == ["durable", "operation"]
+    bad = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+         str(disk_tmp), "--backup-ack", "durable,soon"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    assert bad.returncode == 2 and "--backup-ack: soon is not one of durable, written, operation" in bad.stderr, bad.stderr
+
+
 def test_bench_cp_l3_refuses_disks_on_one_filesystem(disk_tmp):
     """--disks on one filesystem would report 'scaling with disks' that is one disk's bandwidth split in
     two: refused before anything runs (two loop devices on one disk only warn: l3/devices.py)."""
