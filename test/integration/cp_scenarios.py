@@ -5,6 +5,23 @@ from __future__ import annotations
 from cp_harness import PAGE, Rank
 
 
+def demo_l3_config(root, zero_copy: bool = False, backup_ack: str | None = None) -> str:
+    """The embedded demo L3 config under root (0.05 GB slabs), with io.zero_copy_writes and
+    durability.backup_ack set when asked; returns its path."""
+    from sglang_cp.cli import write_demo_config
+
+    path = write_demo_config(str(root), capacity_gb=0.05)
+    with open(path) as f:
+        text = f.read()
+    if backup_ack is not None:
+        text = text.replace("[durability]\n", f'[durability]\nbackup_ack = "{backup_ack}"\n', 1)
+    if zero_copy:  # backups written straight from upstream's host pages
+        text = text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
 def tokens_for(n_pages: int, seed: int = 0) -> list[int]:
     return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(n_pages * PAGE)]
 

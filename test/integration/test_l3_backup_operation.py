@@ -10,7 +10,7 @@ group could commit, and whether upstream saw the operation acked, tell the two m
 import pytest
 
 from cp_harness import PAGE, run_ranks
-from sglang_cp.cli import write_demo_config
+from cp_scenarios import demo_l3_config
 
 N_PAGES = 12
 BATCH = 4  # upstream's STORAGE_BATCH_SIZE (128) inside the rank: 3 batches per operation
@@ -22,15 +22,7 @@ def zero_copy(request):
 
 
 def l3_config(disk_tmp, ack, zero_copy):
-    path = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
-    with open(path) as f:
-        text = f.read()
-    text = text.replace("[durability]\n", f'[durability]\nbackup_ack = "{ack}"\n', 1)
-    if zero_copy:
-        text = text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    return demo_l3_config(disk_tmp / "l3", zero_copy=zero_copy, backup_ack=ack)
 
 
 def backup_with_syncs_held(rank, world, rendezvous, l3_config, n_pages, batch, fail_syncs):
@@ -41,6 +33,7 @@ def backup_with_syncs_held(rank, world, rendezvous, l3_config, n_pages, batch, f
 
     import sglang.srt.managers.cache_controller as cc_mod
     from cp_harness import Rank
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
     from cp_scenarios import tokens_for
 
     cc_mod.STORAGE_BATCH_SIZE = batch
@@ -63,15 +56,20 @@ def backup_with_syncs_held(rank, world, rendezvous, l3_config, n_pages, batch, f
         tokens = tokens_for(n_pages, seed=11)
         hi = r.alloc_host(n_pages * PAGE)
         r.fill(hi, n_pages)
+        # Hashed here, not on the backup thread: the first hash in a process loads upstream's hash
+        # extension, which must not count as the backup standing still.
+        hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
         box = {}
-        t = threading.Thread(target=lambda: box.setdefault("completed", r.backup(tokens, hi, timeout=120)),
-                             daemon=True)
+        t = threading.Thread(
+            target=lambda: box.setdefault("completed", r.backup(tokens, hi, timeout=120, hashes=hashes)),
+            daemon=True)
         t.start()
-        # Let the backup go as far as it can with no group committed: until every page is written, or
-        # the count of written pages has not moved for 2 s (the durable mode stops after one batch).
+        # Let the backup go as far as it can with no group committed: until every page is written, or,
+        # once writing has begun, the count of written pages has not moved for 2 s (the durable mode
+        # stops after one batch).
         deadline, last, since = time.monotonic() + 60, -1, time.monotonic()
         while time.monotonic() < deadline and len(writes) < n_pages:
-            if len(writes) != last:
+            if len(writes) != last or not writes:
                 last, since = len(writes), time.monotonic()
             elif time.monotonic() - since > 2.0:
                 break

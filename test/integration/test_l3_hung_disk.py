@@ -11,7 +11,7 @@ step must finish within BOUND x SLACK (a correctness margin, not a performance t
 import pytest
 
 from cp_harness import PAGE, run_ranks
-from sglang_cp.cli import write_demo_config
+from cp_scenarios import demo_l3_config
 
 BOUND = 1.0
 SLACK = 5.0
@@ -19,13 +19,7 @@ SLACK = 5.0
 
 @pytest.fixture(params=[False, True], ids=["copy", "zero_copy_writes"])
 def l3cfg(disk_tmp, request):
-    path = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
-    if request.param:  # io.zero_copy_writes: backups written straight from upstream's host pages
-        with open(path) as f:
-            text = f.read()
-        with open(path, "w") as f:
-            f.write(text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1))
-    return path, request.param
+    return demo_l3_config(disk_tmp / "l3", zero_copy=request.param), request.param
 
 
 def hung_disk(rank, world, rendezvous, l3_config, n_pages):
