@@ -28,12 +28,19 @@ capacity_gb = {capacity_gb}
 """
 
 
-def write_demo_config(root: str, capacity_gb: float = 1.0) -> str:
-    """The embedded default L3 config under ``root`` (slabs are preallocated to capacity_gb)."""
+def write_demo_config(root: str, capacity_gb: float = 1.0, backup_ack: str | None = None) -> str:
+    """The embedded default L3 config under ``root`` (slabs are preallocated to capacity_gb), written
+    0600 like every file of ours; ``backup_ack`` sets ``durability.backup_ack`` (default: the
+    config's own default, "durable")."""
+    from sglang_cp.l3.files import open_private, private_dirs
+
     root = os.path.abspath(root)
     for sub in ("index", "disk0"):
-        os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
+        private_dirs(os.path.join(root, sub), "demo directory")
+    text = DEMO_CONFIG.format(root=root, capacity_gb=capacity_gb)
+    if backup_ack is not None:
+        text = text.replace("[durability]\n", f'[durability]\nbackup_ack = "{backup_ack}"\n', 1)
     path = os.path.join(root, "l3.toml")
-    with open(path, "w") as f:
-        f.write(DEMO_CONFIG.format(root=root, capacity_gb=capacity_gb))
+    with os.fdopen(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "demo config"), "w") as f:
+        f.write(text)
     return path

@@ -53,9 +53,10 @@ def base_dir(tmp_path_factory, name: str) -> str:
     return str(tmp_path_factory.mktemp(name))
 
 
-def write_l3_config(root: str, capacity_gb: float = 2.0) -> str:
-    """The embedded default L3 config (``sglang-cp demo``'s) with its directories under ``root/l3``."""
-    return write_demo_config(os.path.join(root, "l3"), capacity_gb=capacity_gb)
+def write_l3_config(root: str, capacity_gb: float = 2.0, backup_ack: str | None = None) -> str:
+    """The embedded default L3 config (``sglang-cp demo``'s) with its directories under ``root/l3``,
+    and ``durability.backup_ack`` when given."""
+    return write_demo_config(os.path.join(root, "l3"), capacity_gb=capacity_gb, backup_ack=backup_ack)
 
 
 def l3_flags(config: str, cold_start: str) -> list:

@@ -128,9 +128,12 @@ def test_damaged_slab_bytes_are_recomputed_not_served(tmp_path_factory):
         assert len(other.output_ids) == 8
 
 
-def test_sigkill_during_spill_burst_loses_no_acked_page(tmp_path_factory):
-    root = base_dir(tmp_path_factory, "l3-kill")
-    cfg = write_l3_config(root, capacity_gb=4.0)
+@pytest.mark.parametrize("backup_ack", ["durable", "operation"])
+def test_sigkill_during_spill_burst_loses_no_acked_page(backup_ack, tmp_path_factory):
+    """With backup_ack = "operation" a backup's batches return before their pages are durable and
+    the operation's ack waits for all of them: the counter (durable pages) must still hold."""
+    root = base_dir(tmp_path_factory, f"l3-kill-{backup_ack}")
+    cfg = write_l3_config(root, capacity_gb=4.0, backup_ack=backup_ack)
     prompts = [prompt(2 * N, 100 + i) for i in range(24)]
     total = len(prompts) * pages_of(2 * N)
     s = server("mla", l3_flags(cfg, "clear"), root, "burst").start()
@@ -170,7 +173,7 @@ def test_sigkill_during_spill_burst_loses_no_acked_page(tmp_path_factory):
             if i in refs:  # no wrong output: the same ids as before the crash
                 assert got.output_ids == refs[i].output_ids, f"prompt {i}"
         assert s2.metrics().get(METRIC("crc_errors_total"), 0) == 0
-    print(f"spill burst: {total} pages, {len(refs)}/{len(prompts)} requests done, "
+    print(f"spill burst ({backup_ack} ack): {total} pages, {len(refs)}/{len(prompts)} requests done, "
           f">= {acked:.0f} pages acked before SIGKILL, {live:.0f} live after load, "
           f"{hit_pages} served from storage")
     # Every page acked before the kill is a hit after it, except the page that only the

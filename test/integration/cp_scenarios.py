@@ -10,15 +10,12 @@ def demo_l3_config(root, zero_copy: bool = False, backup_ack: str | None = None)
     durability.backup_ack set when asked; returns its path."""
     from sglang_cp.cli import write_demo_config
 
-    path = write_demo_config(str(root), capacity_gb=0.05)
-    with open(path) as f:
-        text = f.read()
-    if backup_ack is not None:
-        text = text.replace("[durability]\n", f'[durability]\nbackup_ack = "{backup_ack}"\n', 1)
+    path = write_demo_config(str(root), capacity_gb=0.05, backup_ack=backup_ack)
     if zero_copy:  # backups written straight from upstream's host pages
-        text = text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1)
-    with open(path, "w") as f:
-        f.write(text)
+        with open(path) as f:
+            text = f.read()
+        with open(path, "w") as f:
+            f.write(text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1))
     return path
 
 
