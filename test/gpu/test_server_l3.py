@@ -161,6 +161,7 @@ def test_sigkill_during_spill_burst_loses_no_acked_page(backup_ack, tmp_path_fac
         s.kill(signal.SIGKILL)
         pool.shutdown(wait=False, cancel_futures=True)
     assert refs, "no request completed before the kill"
+    assert acked > 0, "no page was durable before the kill: the backups never reached L3"
 
     with server("mla", l3_flags(cfg, "load"), root, "after-kill") as s2:
         live = s2.wait_metric(METRIC("used_slots"), lambda x: x >= acked, 30)

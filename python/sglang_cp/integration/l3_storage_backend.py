@@ -175,8 +175,9 @@ class CpL3Storage(HiCacheStorage):
 
             set_shard_size(self.shard_size)
         self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
-        logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s",
-                    self.identity.label(), self.shard_rank, self.shard_size, payloads)
+        logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s, backup ack %s",
+                    self.identity.label(), self.shard_rank, self.shard_size, payloads,
+                    self.store.config.backup_ack)
 
     def _logical_dtypes(self, payloads: dict) -> tuple:
         """((payload, logical KV dtype), ...) as the device pools declare them (l3_storage_config)."""
