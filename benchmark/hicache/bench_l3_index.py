@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python")
 from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme  # noqa: E402
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
-from sglang_cp.l3.blob import payload_tag  # noqa: E402
+from sglang_cp.l3.blob import key_digests, payload_tag  # noqa: E402
+from sglang_cp.l3.native_digest import native_digests  # noqa: E402
 from sglang_cp.l3.index import IndexEntry, SharedIndex, key_prefix  # noqa: E402
 
 PAYLOADS = {"kv": 4096, "indexer": 4096}
@@ -199,6 +200,23 @@ def one_size(base: str, n: int, args) -> dict:
             except TypeError:
                 tails = ks.suffixes
                 out["keys_as"] = "bytes (KeyScheme.suffixes)"
+            dts = [int(x) for x in args.digest_threads.split(",")]
+            hashers = {dt: native_digests(idx_dir, dt) for dt in dts}
+
+            def use(dt):  # the store's hit-query hasher: hashlib (0) or the native one on dt threads
+                store._digests = key_digests(0, hashers[dt])
+            for dt in dts[1:]:
+                use(dt)
+                for nk in (2048, QUERY_KEYS):
+                    h = hashes[:nk]
+                    runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
+                    out[f"prefix2_{nk}_t{dt}"] = timed(
+                        lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
+                        or _fail(), runs)
+                    out[f"each8_{nk}_t{dt}"] = timed(
+                        lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
+                        or _fail(), runs)
+            use(dts[0])
             for nk in (2048, QUERY_KEYS):
                 h = hashes[:nk]
                 runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
@@ -230,23 +248,29 @@ def one_size(base: str, n: int, args) -> dict:
                     held.rebuild_table()
                     out["table_build_s"] = time.perf_counter() - t0
                 out["held"] = len(held)
-                for nk in (2048, QUERY_KEYS):
+                for dt, nk in [(dt, nk) for dt in dts for nk in (2048, QUERY_KEYS)]:
+                    use(dt)
+                    t = "" if dt == dts[0] else f"_t{dt}"
                     h = hashes[:nk]
                     runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
-                    out[f"share2_{nk}"] = timed(
+                    out[f"share2_{nk}{t}"] = timed(
                         lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
                         or _fail(), runs)
-                    out[f"share8_{nk}"] = timed(
+                    out[f"share8_{nk}{t}"] = timed(
                         lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
                         or _fail(), runs)
                     # Where a query's time goes, same run: the keys' digests alone, then the held table's
                     # probes alone for those digests (one vectorized call; the query probes in chunks).
-                    out[f"digest_{nk}"] = timed(lambda: store._digests(tails(h), ks.prefix(0)), runs)
+                    out[f"digest_{nk}{t}"] = timed(lambda: store._digests(tails(h), ks.prefix(0)), runs)
                     dg = store._digests(tails(h), ks.prefix(0))
-                    if getattr(held, "many", None) is not None and held.many(dg) is not None:
+                    if not t and getattr(held, "many", None) is not None and held.many(dg) is not None:
                         out[f"probe_{nk}"] = timed(lambda: held.many(dg), runs)
+                use(dts[0])
                 held._d.clear()  # synthetic: not the store's pages (it is closed next)
             store.close()
+            for hs in hashers.values():
+                if hs is not None:
+                    hs.close()
             t0 = time.perf_counter()
             store = L3Store(cfg, rank=0, ranks_per_node=2, payloads=PAYLOADS, cold_start="load")
             out["cold_start_load_s"] = time.perf_counter() - t0
@@ -297,7 +321,13 @@ def main():
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--held-share", type=int, default=1, help="1: also time the hit query with rank 0 holding "
                     "N/8 pages (its share of an 8-rank node); 0: skip")
+    ap.add_argument("--digest-threads", default="0", help="index.digest_threads values to compare, comma list; "
+                    "the first is the store's own, each further one repeats the kv+ix hit queries with the native "
+                    "hasher on that many threads (e.g. 0,4). Native rows are wall time: their work is on several threads")
     args = ap.parse_args()
+    dts = [x.strip() for x in args.digest_threads.split(",")]
+    if not dts or not all(x.isdigit() and 0 <= int(x) <= 64 for x in dts) or len(set(dts)) != len(dts):
+        ap.error(f"--digest-threads: distinct integers in [0, 64], comma-separated, e.g. 0,4; got {args.digest_threads!r}")
     os.makedirs(args.dir, exist_ok=True)
     t_start = time.time()
     rows = []
@@ -315,16 +345,25 @@ def main():
                                ("each8", "exists_each kv+ix, 8 cls ")):
                 wall, cpu = r[f"{cell}_{nk}"]
                 print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
+        for dt in [int(x) for x in dts[1:]]:
+            print(f"  index.digest_threads = {dt} (native hasher; wall is the figure, CPU is the calling thread's):")
+            for nk in (2048, QUERY_KEYS):
+                for cell, what in (("prefix2", "exists_prefix_multi kv+ix"), ("each8", "exists_each kv+ix, 8 cls ")):
+                    wall, cpu = r[f"{cell}_{nk}_t{dt}"]
+                    print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
         if "held" in r:
             build = f", table built in {r['table_build_s']:.2f} s" if "table_build_s" in r else ", no table"
             print(f"  rank 0 holding {r['held']:,} pages (N/8, its share of the node{build}):")
-            for nk in (2048, QUERY_KEYS):
-                for cell, what in (("share2", "exists_prefix_multi kv+ix"), ("share8", "exists_each kv+ix, 8 cls "),
-                                   ("digest", "  part: key digests      "), ("probe", "  part: held-table probes")):
-                    if f"{cell}_{nk}" not in r:
-                        continue
-                    wall, cpu = r[f"{cell}_{nk}"]
-                    print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
+            for t in [""] + [f"_t{x}" for x in dts[1:]]:
+                if t:
+                    print(f"  ... with index.digest_threads = {t[2:]} (native hasher; wall is the figure):")
+                for nk in (2048, QUERY_KEYS):
+                    for cell, what in (("share2", "exists_prefix_multi kv+ix"), ("share8", "exists_each kv+ix, 8 cls "),
+                                       ("digest", "  part: key digests      "), ("probe", "  part: held-table probes")):
+                        if f"{cell}_{nk}{t}" not in r:
+                            continue
+                        wall, cpu = r[f"{cell}_{nk}{t}"]
+                        print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
         if "spill_vs_raw" in r:
             def med(xs):
                 return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"

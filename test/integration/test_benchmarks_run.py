@@ -27,11 +27,12 @@ def test_bench_l3_store_smoke(disk_tmp):
 def test_bench_l3_index_smoke(disk_tmp):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_index.py"), "--dir", str(disk_tmp),
-         "--sizes", "20000", "--runs", "3", "--io-mib", "128", "--io-reps", "1"],
+         "--sizes", "20000", "--runs", "3", "--io-mib", "128", "--io-reps", "1", "--digest-threads", "0,2"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     # The script asserts every hit query answers the full prefix and every reload returns the bytes written.
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "16384 keys: exists_each kv+ix, 8 cls" in proc.stdout and "x raw" in proc.stdout, proc.stdout[-3000:]
+    assert "index.digest_threads = 2 (native hasher" in proc.stdout, proc.stdout[-3000:]  # native rows, same run
     assert not os.listdir(disk_tmp), "the index and slabs must be deleted after the run"
 
 

@@ -76,10 +76,15 @@ def key_digester(rank: int):
     return digest
 
 
-def key_digests(rank: int):
+def key_digests(rank: int, native=None):
     """(keys, prefix=b"") -> [key_digest(rank, prefix + k) for k in keys]: one Python loop with no call per
     key, and a common prefix hashed once (the hit query). Keys are all bytes, or all str (taken as their
-    UTF-8 bytes, encoded inside the loop: cheaper than a list of encoded copies first)."""
+    UTF-8 bytes, encoded inside the loop: cheaper than a list of encoded copies first).
+    With `native` (a native_digest.NativeDigests) the same digests come back as one bytes object,
+    digest i at [16 i, 16 i + 16) (digest_list splits it where a list is needed)."""
+    if native is not None:
+        person = _person(rank)
+        return lambda keys, prefix=b"": native.digests(person, keys, prefix)
     base = hashlib.blake2b(digest_size=16, person=_person(rank))
 
     def digests(keys, prefix: bytes = b"") -> list[bytes]:
@@ -101,6 +106,13 @@ def key_digests(rank: int):
             raise TypeError(f"keys: must be all bytes or all str; keys[0] is {type(keys[0]).__name__}, "
                             f"keys[{bad}] is {type(keys[bad]).__name__}") from None
         return out
+    return digests
+
+
+def digest_list(digests) -> list:
+    """key_digests' answer as a list of 16-byte digests, from either of its forms."""
+    if isinstance(digests, bytes):
+        return [digests[i:i + 16] for i in range(0, len(digests), 16)]
     return digests
 
 

@@ -46,6 +46,8 @@ class IndexConfig:
     dir: str
     map_size_bytes: int
     max_map_size_bytes: int
+    # Threads hashing a hit query's keys in C (l3/native_digest.py); 0: hashlib on the caller's thread.
+    digest_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class L3Config:
 
 _SCHEMA: dict[str, set[str]] = {
     "": {"namespace", "index", "gc", "durability", "io", "disks", "rank_to_disk", "slot_bytes"},
-    "index": {"dir", "map_size_gb", "max_map_size_gb"},
+    "index": {"dir", "map_size_gb", "max_map_size_gb", "digest_threads"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
     "durability": {"plp_policy", "backup_ack"},
     "io": {"threads", "max_inflight_pages", "zero_copy_writes"},
@@ -222,7 +224,11 @@ def _parse_index(doc: dict) -> IndexConfig:
         max_bytes = _gb_to_bytes(max_size, "index.max_map_size_gb", MAX_MAP_BYTES, room)
     else:  # the default grows with map_size_gb; keep it mappable
         max_bytes = min(int(max_size * GB), MAX_MAP_BYTES)
-    return IndexConfig(d, _round_up(size_bytes, ALIGN), _round_up(max_bytes, ALIGN))
+    threads = _integer(t, "digest_threads", "index", 0)
+    if not 0 <= threads <= 64:
+        raise L3ConfigError(f"index.digest_threads: must be in [0, 64], got {threads}; 0 (hashlib, the "
+                            "default) or a few threads, e.g. 4")
+    return IndexConfig(d, _round_up(size_bytes, ALIGN), _round_up(max_bytes, ALIGN), threads)
 
 
 def _parse_gc(doc: dict) -> GcConfig:

@@ -141,15 +141,20 @@ class HeldDigests:
 
     # -- batch lookups (any thread) -------------------------------------------------------------------
 
-    def many(self, digests: list[bytes]) -> Optional[np.ndarray]:
+    def many(self, digests) -> Optional[np.ndarray]:
         """The held bitmask of each digest (uint64 array), as `get(d, 0)` would answer; None while there
-        is no table (ask the dict)."""
+        is no table (ask the dict). Digests: a list of 16-byte digests, or one bytes object of them
+        back to back (the native hasher's form)."""
         t = self._table
         if t is None:
             return None
         tab, m = t
-        n = len(digests)
-        raw = b"".join(digests)
+        if isinstance(digests, bytes):
+            raw = digests
+            n = len(raw) // 16
+        else:
+            n = len(digests)
+            raw = b"".join(digests)
         if len(raw) != 16 * n:
             raise L3InvariantError("HeldDigests.many: a digest that is not 16 bytes")
         q = np.frombuffer(raw, dtype="<u8")
@@ -173,7 +178,7 @@ class HeldDigests:
             q0, pos = q0[go], (pos[go] + 1) & m
         else:
             get = self._d.get
-            out[idx] = [get(digests[i], 0) for i in idx.tolist()]
+            out[idx] = [get(raw[16 * i:16 * i + 16], 0) for i in idx.tolist()]
         out &= np.uint64(_TOMB - 1)
         return out
 

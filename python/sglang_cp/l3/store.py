@@ -29,7 +29,7 @@ import numpy as np
 
 from .acks import Ack, AckKind, OpState
 from .aligned import huge_aligned_view
-from .blob import BlobError, crc32c, key_digester, key_digests, write_extent
+from .blob import BlobError, crc32c, digest_list, key_digester, key_digests, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
@@ -37,6 +37,7 @@ from .files import private_dir, private_dirs
 from .gc import HeldDigests, WatermarkPolicy
 from .index import MAX_RANKS, IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .index import key_prefix as index_key_prefix
+from .native_digest import native_digests
 from .ownership import RankLock
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
@@ -94,7 +95,6 @@ class L3Store:
         self._ack_at_write = config.backup_ack == "written"
         # One digest per key, shared by every payload (the payload tag keeps their index rows apart).
         self._digest = key_digester(rank)
-        self._digests = key_digests(rank)
 
         disk_i = config.disk_index_for_rank(rank)
         disk = config.disks[disk_i]
@@ -122,6 +122,10 @@ class L3Store:
             private_dir(slab_dir, f"disks[{disk_i}].path")  # the namespace's own directory
         index_dir = config.index_dir
         private_dirs(index_dir, "index.dir")
+        # index.digest_threads > 0: the hit query's digests in C over threads (built here, before
+        # anything is opened, so a host without a compiler is refused with nothing to undo).
+        self._native = native_digests(config.index.dir, config.index.digest_threads)
+        self._digests = key_digests(rank, self._native)
         # Exclusive ownership of this rank's slabs and index entries before anything destructive (slab
         # truncation, cold start), held until close(): a second opener fails here (l3/ownership.py).
         owner = owner or f"L3 rank {rank}"
@@ -402,8 +406,8 @@ class L3Store:
     def _exists_rows(self, payloads: list[str], keys: list[bytes]) -> list:
         pools = [self._pool(p) for p in payloads]
         if len(pools) == 1:  # the common case: one key per row, no inner loop
-            return [(k,) for k in map(index_key_prefix(self.rank, pools[0].tag).__add__, self._digests(keys))]
-        digests = self._digests(keys)
+            return [(k,) for k in map(index_key_prefix(self.rank, pools[0].tag).__add__, digest_list(self._digests(keys)))]
+        digests = digest_list(self._digests(keys))
         cols = [list(map(index_key_prefix(self.rank, pl.tag).__add__, digests)) for pl in pools]
         return list(zip(*cols))
 
@@ -473,6 +477,8 @@ class L3Store:
             pool.slab.close()
         self._index.close()
         self._staging.close()
+        if self._native is not None:
+            self._native.close()
         self._release_locks()
 
     def _release_locks(self) -> None:
@@ -823,7 +829,9 @@ class L3Store:
                     s = e
                     continue
                 held = arr.tolist()
+                digests = digest_list(digests)
             else:
+                digests = digest_list(digests)
                 held = list(map(get, digests, itertools.repeat(0, e - s)))
             # A query of every payload of the store (the usual one) needs no masking: one pass less.
             hit = list(map(mask.__eq__, held if every else map(mask.__and__, held)))
