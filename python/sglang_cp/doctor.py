@@ -145,6 +145,8 @@ def check_l3_config(path: str) -> Iterable[Row]:
     index_dir = cfg.index.dir
     ok, detail = _writable(index_dir)
     yield Row("l3 index", index_dir, OK if ok else FAIL, f"LMDB dir {detail}")
+    if ok and cfg.index.digest_threads:
+        yield _native_digest_row(index_dir, cfg.index.digest_threads)
     for disk in cfg.disks:
         ok, detail = probe_odirect(disk.path)
         yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
@@ -169,6 +171,24 @@ def check_l3_config(path: str) -> Iterable[Row]:
                       + "; ".join(f"{os.path.basename(p)} ({why})" for p, _, why in stale[:5])
                       + ("; ..." if len(stale) > 5 else "") + ". With no server running, delete them to free the space")
         yield from _plp_rows(disk.name, disk.path, cfg.plp_policy)
+
+
+def _native_digest_row(index_dir: str, threads: int) -> Row:
+    """index.digest_threads > 0: build (or reuse) the native hasher where the server will, and check it
+    against hashlib, so a host without a compiler fails here rather than at the server's start."""
+    from sglang_cp.l3.errors import L3StartupError
+    from sglang_cp.l3.native_digest import native_digests
+
+    item = f"digest_threads = {threads}"
+    try:
+        native_digests(index_dir, threads).close()
+    except L3StartupError as e:
+        return Row("l3 index", item, FAIL, str(e))
+    cores = os.cpu_count() or 1
+    status = OK if threads <= cores else WARN
+    more = "" if status == OK else f"; more threads than the {cores} cores: lower it"
+    return Row("l3 index", item, status,
+               f"native key hasher built in {os.path.join(index_dir, 'native')} and checked against hashlib{more}")
 
 
 def _slab_space(sub: str) -> tuple[int, list[tuple[str, int, str]]]:

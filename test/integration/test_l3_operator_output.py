@@ -6,10 +6,12 @@ free space, stale ones included; and rich took ``[index]`` in a message for mark
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 from rich.console import Console
 
 from sglang_cp import doctor
@@ -91,3 +93,17 @@ def test_help_keeps_one_subcommand_per_line():
     lines = p.stdout.splitlines()
     for name in ("doctor", "check-args", "demo", "cachebench", "l3 stats", "l3 fsck"):
         assert any(line.startswith(f"  {name} ") for line in lines), (name, p.stdout)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
+def test_doctor_builds_the_native_hasher_or_names_the_fix(disk_tmp, monkeypatch):
+    cfg_path = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
+    text = open(cfg_path).read()
+    open(cfg_path, "w").write(text.replace("[index]\n", "[index]\ndigest_threads = 2\n", 1))
+    monkeypatch.setenv("CC", "no-such-cc-sglang-cp")
+    row = {r.item: r for r in doctor.check_l3_config(cfg_path)}["digest_threads = 2"]
+    assert row.status == doctor.FAIL and "no C compiler" in row.detail and "digest_threads = 0" in row.detail, row
+    monkeypatch.delenv("CC")
+    row = {r.item: r for r in doctor.check_l3_config(cfg_path)}["digest_threads = 2"]
+    assert row.status == doctor.OK and "checked against hashlib" in row.detail, row
+    assert os.listdir(disk_tmp / "l3" / "index" / "native")
