@@ -829,14 +829,13 @@ class L3Store:
                     s = e
                     continue
                 held = arr.tolist()
-                digests = digest_list(digests)
             else:
                 digests = digest_list(digests)
                 held = list(map(get, digests, itertools.repeat(0, e - s)))
             # A query of every payload of the store (the usual one) needs no masking: one pass less.
             hit = list(map(mask.__eq__, held if every else map(mask.__and__, held)))
             if (pending is not None and False in hit) or dropping is not None:
-                hit = self._exists_slow(cols, digests, held, pending, dropping)
+                hit = self._exists_slow(cols, digest_list(digests), held, pending, dropping)
             if not classes:
                 if False in hit:
                     return s + hit.index(False)
