@@ -101,12 +101,17 @@ def key_digests(rank: int, native=None):
                 h.update(k)
                 add(h.digest())
         except TypeError:
-            kind = str if isinstance(keys[0], str) else (bytes, bytearray, memoryview)
-            bad = next((i for i, k in enumerate(keys) if not isinstance(k, kind)), 0)
-            raise TypeError(f"keys: must be all bytes or all str; keys[0] is {type(keys[0]).__name__}, "
-                            f"keys[{bad}] is {type(keys[bad]).__name__}") from None
+            raise mixed_keys_error(keys) from None
         return out
     return digests
+
+
+def mixed_keys_error(keys) -> TypeError:
+    """The error for a key list that mixes str and bytes (or holds neither), naming the first odd key."""
+    kind = str if isinstance(keys[0], str) else (bytes, bytearray, memoryview)
+    bad = next((i for i, k in enumerate(keys) if not isinstance(k, kind)), 0)
+    return TypeError(f"keys: must be all bytes or all str; keys[0] is {type(keys[0]).__name__}, "
+                     f"keys[{bad}] is {type(keys[bad]).__name__}")
 
 
 def digest_list(digests) -> list:

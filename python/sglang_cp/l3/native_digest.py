@@ -26,6 +26,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from .blob import mixed_keys_error
 from .errors import L3InvariantError, L3StartupError
 from .files import check_private_file, private_dir
 
@@ -125,8 +126,11 @@ class NativeDigests:
             return self._slice(person16, keys, prefix)
         step = -(-n // self.threads)
         futs = [self._pool.submit(self._slice, person16, keys[i:i + step], prefix) for i in range(step, n, step)]
-        head = self._slice(person16, keys[:step], prefix)
-        return head + b"".join(f.result(timeout=WAIT_S) for f in futs)
+        try:
+            head = self._slice(person16, keys[:step], prefix)
+            return head + b"".join(f.result(timeout=WAIT_S) for f in futs)
+        except TypeError:
+            raise mixed_keys_error(keys) from None  # name the odd key by its place in the whole list
 
     def _slice(self, person16: bytes, keys, prefix: bytes) -> bytes:
         """The digests of keys on this thread, in pieces of <= SUB_SLICE keys: a joined buffer of that
@@ -143,10 +147,7 @@ class NativeDigests:
         try:
             data = "\0".join(keys).encode() if isinstance(keys[0], str) else b"\0".join(keys)
         except TypeError:
-            kind = str if isinstance(keys[0], str) else (bytes, bytearray, memoryview)
-            bad = next((i for i, k in enumerate(keys) if not isinstance(k, kind)), 0)
-            raise TypeError(f"keys: must be all bytes or all str; keys[0] is {type(keys[0]).__name__}, "
-                            f"keys[{bad}] is {type(keys[bad]).__name__}") from None
+            raise mixed_keys_error(keys) from None
         if self._lib.cpl3_digests_sep(person16, prefix, len(prefix), data, len(data), n, out) != 0:
             # A key holds a NUL byte, so the separators are ambiguous: give each key's end instead.
             parts = [k.encode() for k in keys] if isinstance(keys[0], str) else [bytes(k) for k in keys]

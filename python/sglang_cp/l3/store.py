@@ -29,7 +29,7 @@ import numpy as np
 
 from .acks import Ack, AckKind, OpState
 from .aligned import huge_aligned_view
-from .blob import BlobError, crc32c, digest_list, key_digester, key_digests, write_extent
+from .blob import BlobError, crc32c, digest_list, key_digester, key_digests, mixed_keys_error, write_extent
 from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-exported for tools)
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
@@ -818,7 +818,10 @@ class L3Store:
         while s < n:
             e = min(n, s + step)
             step = min(step * 2, 4096)
-            digests = self._digests(keys[s:e], key_prefix)
+            try:
+                digests = self._digests(keys[s:e], key_prefix)
+            except TypeError:
+                raise mixed_keys_error(keys) from None  # the odd key's place in the whole list
             # Big chunks: the vectorized table (its probes' cache misses overlap); small ones: the dict.
             arr = many(digests) if e - s >= _TABLE_CHUNK else None
             if arr is not None:

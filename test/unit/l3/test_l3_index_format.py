@@ -210,6 +210,8 @@ def test_str_keys_ask_about_their_utf8_bytes(make_store):
         s.exists_prefix("kv", tails[:5] + [full[5]] + tails[6:], key_prefix=head)
     with pytest.raises(TypeError, match=r"keys\[0\] is bytes, keys\[2\] is str"):
         s.exists_prefix("kv", full[:2] + tails[2:])
+    with pytest.raises(TypeError, match=r"keys\[0\] is str, keys\[150\] is bytes"):  # in the second chunk
+        s.exists_prefix("kv", tails[:150] + [full[150]] + tails[151:], key_prefix=head)
 
 
 def test_a_page_being_dropped_is_a_miss_even_in_a_fully_held_chunk(make_store):

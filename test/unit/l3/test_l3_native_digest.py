@@ -61,6 +61,9 @@ def test_mixed_key_types_raise_as_the_hashlib_path_does(native):
         key_digests(0, native)(["a", "b", b"c"])
     with pytest.raises(TypeError, match=r"keys\[0\] is bytes, keys\[1\] is str"):
         key_digests(0, native)([b"a", "b"])
+    keys = [os.urandom(8).hex() for _ in range(3000)]  # split over threads: the place in the whole list
+    with pytest.raises(TypeError, match=r"keys\[0\] is str, keys\[2500\] is bytes"):
+        key_digests(0, native)(keys[:2500] + [b"x"] + keys[2501:])
 
 
 def test_build_is_private_and_reused(tmp_path):
