@@ -143,3 +143,20 @@ def test_store_answers_are_the_same_with_the_native_hasher(l3_root):
     assert answers[0][0] == 1500 and answers[0][1] == 2200 and answers[0][2] == 1500 and answers[0][5] == 1499
     assert answers[0][4][:1500] == [True] * 1500 and answers[0][4][1500] is False
     assert answers[1] == answers[0]
+
+
+def test_ranks_building_at_once_leave_one_library_and_no_temp_files(tmp_path):
+    """A server's ranks open their stores together, so they build together: each builds to its own
+    temp name and renames it into place; every one loads a checked library."""
+    import subprocess
+    import sys
+    d = str(tmp_path / "native")
+    code = ("import sys; from sglang_cp.l3.native_digest import NativeDigests; "
+            "NativeDigests(sys.argv[1], 2).close(); print('ok')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 and o.strip() == "ok" for p, (o, _e) in zip(procs, outs)), outs
+    libs = os.listdir(d)
+    assert len(libs) == 1 and libs[0].endswith(".so"), libs
