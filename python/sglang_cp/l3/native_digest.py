@@ -60,16 +60,20 @@ def _build(native_dir: str, threads: int) -> str:
     tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"
     cmd = cc + ["-O3", "-shared", "-fPIC", "-o", tmp, SOURCE]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    except FileNotFoundError:
-        raise _refuse(threads, f"no C compiler: '{cc[0]}' is not on PATH") from None
-    except subprocess.TimeoutExpired:
-        raise _refuse(threads, f"'{' '.join(cmd)}' ran past {BUILD_TIMEOUT_S:g} s") from None
-    if done.returncode != 0 or not os.path.exists(tmp):
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise _refuse(threads, f"'{' '.join(cmd)}' exited {done.returncode}: {' | '.join(tail)}")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, lib)  # atomic: a rank building at the same time replaces it with the same bytes
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except FileNotFoundError:
+            raise _refuse(threads, f"no C compiler: '{cc[0]}' is not on PATH") from None
+        except subprocess.TimeoutExpired:
+            raise _refuse(threads, f"'{' '.join(cmd)}' ran past {BUILD_TIMEOUT_S:g} s") from None
+        if done.returncode != 0 or not os.path.exists(tmp):
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise _refuse(threads, f"'{' '.join(cmd)}' exited {done.returncode}: {' | '.join(tail)}")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, lib)  # atomic: a rank building at the same time replaces it with the same bytes
+    finally:
+        if os.path.lexists(tmp):  # a failed or cut build leaves nothing behind
+            os.unlink(tmp)
     return lib
 
 

@@ -95,6 +95,14 @@ def test_no_compiler_refuses_the_start_naming_the_field(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")
     with pytest.raises(L3StartupError, match=r"index.digest_threads = 2: .*'false .*' exited 1"):
         NativeDigests(str(tmp_path / "native"), 2)
+    # A compiler that writes part of its output and then fails leaves no temp file behind.
+    half = tmp_path / "half-cc"
+    half.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done; echo partial > "$2"; exit 3\n')
+    half.chmod(0o700)
+    monkeypatch.setenv("CC", str(half))
+    with pytest.raises(L3StartupError, match="exited 3"):
+        NativeDigests(str(tmp_path / "native"), 2)
+    assert os.listdir(tmp_path / "native") == []
 
 
 def test_a_library_whose_digests_differ_is_refused(tmp_path, monkeypatch):
