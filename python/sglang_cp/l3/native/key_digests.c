@@ -44,7 +44,7 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int la
     uint64_t m[16], v[16];
     for (int i = 0; i < 16; i++) m[i] = le64(block + 8 * i);
     for (int i = 0; i < 8; i++) { v[i] = h[i]; v[i + 8] = IV[i]; }
-    v[12] ^= t;
+    v[12] ^= t;  /* the counter's high word (v[13]) stays as is: a key is far below 2^64 bytes */
     if (last) v[14] = ~v[14];
     for (int r = 0; r < 12; r++) {
         const uint8_t *s = SIGMA[r];
