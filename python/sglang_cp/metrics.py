@@ -32,7 +32,14 @@ COUNTERS = {
     "read_timeouts": ("cp_l3_read_timeouts_total", "L3 page reads not done within their bound (a miss; a stalled drive)."),
     "write_timeouts": ("cp_l3_write_timeouts_total", "L3 page writes not durable within their bound (reported not written)."),
     "clear_errors": ("cp_l3_clear_errors_total", "Runtime clears that failed in the index (the store keeps serving)."),
+    "hit_queries": ("cp_l3_hit_queries_total", "L3 hit queries (one per upstream prefetch or exists call)."),
+    "hit_query_keys": ("cp_l3_hit_query_keys_total", "Page keys asked about by L3 hit queries."),
+    "hit_query_ns": ("cp_l3_hit_query_seconds_total",
+                     "Wall seconds spent in L3 hit queries (key digests, held-table probes); divided by "
+                     "cp_l3_hit_queries_total: the mean query time, which index.digest_threads lowers."),
 }
+# store counters kept in another unit than their metric's: factor to the metric's unit
+SCALE = {"hit_query_ns": 1e-9}
 GAUGES = {
     "used_slots": ("cp_l3_used_slots", "L3 slots in use, per payload."),
     "total_slots": ("cp_l3_total_slots", "L3 slots available, per payload."),
@@ -80,7 +87,7 @@ class CpL3MetricsCollector:
             value = int(counters.get(key, 0))
             delta = value - self._last[key]
             if delta > 0:
-                metric.labels(**self.labels).inc(delta)
+                metric.labels(**self.labels).inc(delta * SCALE.get(key, 1))
             self._last[key] = max(value, self._last[key])
         for payload, occ in stats.get("occupancy", {}).items():
             self._used.labels(**self.labels, payload=payload).set(occ["used"])

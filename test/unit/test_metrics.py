@@ -1,6 +1,7 @@
 """L3 metrics: names under sglang:, labelled by rank, fed from a real store's stats."""
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sglang_cp.cli import write_demo_config
@@ -19,10 +20,19 @@ def test_metrics_follow_a_real_store(disk_tmp):
         assert store.write_pages("kv", [b"k%d" % i for i in range(5)], pages) == [True] * 5
         outs = [np.zeros(8192, dtype=np.uint8) for _ in range(6)]
         assert store.read_pages("kv", [b"k%d" % i for i in range(5)] + [b"absent"], outs) == [True] * 5 + [False]
+        keys = [b"k%d" % i for i in range(5)]
+        assert store.exists_prefix("kv", keys + [b"absent"]) == 5
+        assert store.exists_each(["kv"], keys, classes=2) == [True] * 5
         pub.publish_once()
         pub.publish_once()  # a second snapshot must not double-count
         text = generate_latest(reg).decode()
         lab = 'cp_rank="1",pp_rank="0",tp_rank="1"'
+        assert f"sglang:cp_l3_hit_queries_total{{{lab}}} 2.0" in text
+        assert f"sglang:cp_l3_hit_query_keys_total{{{lab}}} 11.0" in text
+        # ns in the store, seconds in the metric: a few microseconds to milliseconds, never 0 or ns
+        seconds = float(text.split(f"sglang:cp_l3_hit_query_seconds_total{{{lab}}} ")[1].split()[0])
+        assert 0 < seconds < 1.0, seconds
+        assert seconds == pytest.approx(store.stats()["counters"]["hit_query_ns"] / 1e9)
         assert f"sglang:cp_l3_spill_pages_total{{{lab}}} 5.0" in text
         assert f"sglang:cp_l3_reload_pages_total{{{lab}}} 5.0" in text
         assert f"sglang:cp_l3_read_misses_total{{{lab}}} 1.0" in text

@@ -72,7 +72,8 @@ COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages"
             "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
             "header_errors", "foreign_blobs", "short_reads", "bad_pages_dropped", "gc_reclaimed",
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
-            "deleted_pages", "pool_full", "read_timeouts", "write_timeouts", "clear_errors")
+            "deleted_pages", "pool_full", "read_timeouts", "write_timeouts", "clear_errors",
+            "hit_queries", "hit_query_keys", "hit_query_ns")
 
 
 class L3Store:
@@ -787,6 +788,20 @@ class L3Store:
         return written
 
     def _exists(self, payloads: list[str], keys: list[bytes], classes: int, key_prefix: bytes = b""):
+        """One hit query, counted with its keys and wall time (hit_queries, hit_query_keys,
+        hit_query_ns: what an operator needs to see whether index.digest_threads would pay)."""
+        t0 = time.perf_counter_ns()
+        try:
+            return self._exists_query(payloads, keys, classes, key_prefix)
+        finally:
+            spent = time.perf_counter_ns() - t0
+            with self._lock:
+                c = self._counters
+                c["hit_queries"] += 1
+                c["hit_query_keys"] += len(keys)
+                c["hit_query_ns"] += spent
+
+    def _exists_query(self, payloads: list[str], keys: list[bytes], classes: int, key_prefix: bytes = b""):
         """Hit query without LMDB: a page is durable on this rank iff it is in its pool's LRU. The write
         thread adds it there after its index commit and removes it after its index delete, and only this
         process writes this rank's entries (cold start seeds the LRU from the index), so the LRU is this
