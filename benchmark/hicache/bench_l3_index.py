@@ -205,34 +205,35 @@ def one_size(base: str, n: int, args) -> dict:
 
             def use(dt):  # the store's hit-query hasher: hashlib (0) or the native one on dt threads
                 store._digests = key_digests(0, hashers[dt])
+
+            def runs_for(nk):
+                return args.runs if nk <= 2048 else max(20, args.runs // 4)
+
+            def kvix_queries(nk, tag):
+                """The kv+ix hit queries over the first nk keys: exists_prefix_multi, exists_each (8 classes)."""
+                h, runs = hashes[:nk], runs_for(nk)
+                out[f"{tag[0]}_{nk}{tag[2]}"] = timed(
+                    lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
+                    or _fail(), runs)
+                out[f"{tag[1]}_{nk}{tag[2]}"] = timed(
+                    lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
+                    or _fail(), runs)
             for dt in dts[1:]:
                 use(dt)
                 for nk in (2048, QUERY_KEYS):
-                    h = hashes[:nk]
-                    runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
-                    out[f"prefix2_{nk}_t{dt}"] = timed(
-                        lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
-                        or _fail(), runs)
-                    out[f"each8_{nk}_t{dt}"] = timed(
-                        lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
-                        or _fail(), runs)
+                    kvix_queries(nk, ("prefix2", "each8", f"_t{dt}"))
             use(dts[0])
             for nk in (2048, QUERY_KEYS):
                 h = hashes[:nk]
-                runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
+                runs = runs_for(nk)
                 out[f"prefix1_{nk}"] = timed(
                     lambda: store.exists_prefix("kv", tails(h), key_prefix=ks.prefix(0)) == nk or _fail(), runs)
-                out[f"prefix2_{nk}"] = timed(
-                    lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
-                    or _fail(), runs)
+                kvix_queries(nk, ("prefix2", "each8", ""))
                 # Floors, same run: the LMDB lookups alone (store keys digested beforehand), one txn.
                 rows1 = store._exists_rows(["kv"], skeys[:nk])
                 rows2 = store._exists_rows(["kv", "indexer"], skeys[:nk])
                 out[f"lmdb1_{nk}"] = timed(lambda: store._index.exists_prefix(rows1) == nk or _fail(), runs)
                 out[f"lmdb2_{nk}"] = timed(lambda: store._index.exists_prefix(rows2) == nk or _fail(), runs)
-                out[f"each8_{nk}"] = timed(
-                    lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
-                    or _fail(), runs)
             # Rank 0 holding its share of the node (N / 8 pages): the hit query looks keys up in the rank's
             # held digests, whose size is the rank's page count, not the index's. Synthetic digests (both
             # payloads) are added to the store's HeldDigests and its table rebuilt, as cold start does.
@@ -251,14 +252,8 @@ def one_size(base: str, n: int, args) -> dict:
                 for dt, nk in [(dt, nk) for dt in dts for nk in (2048, QUERY_KEYS)]:
                     use(dt)
                     t = "" if dt == dts[0] else f"_t{dt}"
-                    h = hashes[:nk]
-                    runs = args.runs if nk <= 2048 else max(20, args.runs // 4)
-                    out[f"share2_{nk}{t}"] = timed(
-                        lambda: store.exists_prefix_multi(["kv", "indexer"], tails(h), key_prefix=ks.prefix(0)) == nk
-                        or _fail(), runs)
-                    out[f"share8_{nk}{t}"] = timed(
-                        lambda: all(store.exists_each(["kv", "indexer"], tails(h), classes=8, key_prefix=ks.prefix(0)))
-                        or _fail(), runs)
+                    h, runs = hashes[:nk], runs_for(nk)
+                    kvix_queries(nk, ("share2", "share8", t))
                     # Where a query's time goes, same run: the keys' digests alone, then the held table's
                     # probes alone for those digests (one vectorized call; the query probes in chunks).
                     out[f"digest_{nk}{t}"] = timed(lambda: store._digests(tails(h), ks.prefix(0)), runs)

@@ -406,9 +406,9 @@ class L3Store:
 
     def _exists_rows(self, payloads: list[str], keys: list[bytes]) -> list:
         pools = [self._pool(p) for p in payloads]
-        if len(pools) == 1:  # the common case: one key per row, no inner loop
-            return [(k,) for k in map(index_key_prefix(self.rank, pools[0].tag).__add__, digest_list(self._digests(keys)))]
         digests = digest_list(self._digests(keys))
+        if len(pools) == 1:  # the common case: one key per row, no inner loop
+            return [(k,) for k in map(index_key_prefix(self.rank, pools[0].tag).__add__, digests)]
         cols = [list(map(index_key_prefix(self.rank, pl.tag).__add__, digests)) for pl in pools]
         return list(zip(*cols))
 
