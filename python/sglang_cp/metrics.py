@@ -38,6 +38,13 @@ COUNTERS = {
                      "Wall seconds spent in L3 hit queries (key digests, held-table probes); divided by "
                      "cp_l3_hit_queries_total: the mean query time, which index.digest_threads lowers."),
 }
+# store per-payload counter -> (metric suffix, help); labelled by ``payload`` (kv, indexer, ...)
+PAYLOAD_COUNTERS = {
+    "spill_pages": ("cp_l3_payload_spill_pages_total", "Pages of one payload made durable in L3."),
+    "reload_hits": ("cp_l3_payload_reload_pages_total", "Pages of one payload reloaded from L3 and verified."),
+    "crc_errors": ("cp_l3_payload_crc_errors_total",
+                   "Pages of one payload dropped because their CRC did not match (the page is a miss)."),
+}
 # store counters kept in another unit than their metric's: factor to the metric's unit
 SCALE = {"hit_query_ns": 1e-9}
 GAUGES = {
@@ -51,7 +58,8 @@ PREFIX = "sglang:"
 
 
 def metric_names() -> list[str]:
-    return [PREFIX + n for n, _ in COUNTERS.values()] + [PREFIX + n for n, _ in GAUGES.values()]
+    return ([PREFIX + n for n, _ in COUNTERS.values()] + [PREFIX + n for n, _ in PAYLOAD_COUNTERS.values()]
+            + [PREFIX + n for n, _ in GAUGES.values()])
 
 
 class CpL3MetricsCollector:
@@ -66,6 +74,9 @@ class CpL3MetricsCollector:
             for key, (name, doc) in COUNTERS.items()
         }
         self._last = {key: 0 for key in COUNTERS}
+        self._payload = {key: Counter(PREFIX + name, doc, labelnames=names + ["payload"], registry=registry)
+                         for key, (name, doc) in PAYLOAD_COUNTERS.items()}
+        self._payload_last: dict = {}
         for metric in self._counters.values():
             metric.labels(**self.labels)  # export zeros from the start: absent != none happened
 
@@ -89,6 +100,16 @@ class CpL3MetricsCollector:
             if delta > 0:
                 metric.labels(**self.labels).inc(delta * SCALE.get(key, 1))
             self._last[key] = max(value, self._last[key])
+        for payload, pc in stats.get("payload_counters", {}).items():
+            for key, metric in self._payload.items():
+                value = int(pc.get(key, 0))
+                last = self._payload_last.get((payload, key))
+                if last is None:  # first sight of this payload: export its zero
+                    metric.labels(**self.labels, payload=payload)
+                    last = 0
+                if value > last:
+                    metric.labels(**self.labels, payload=payload).inc(value - last)
+                self._payload_last[(payload, key)] = max(value, last)
         for payload, occ in stats.get("occupancy", {}).items():
             self._used.labels(**self.labels, payload=payload).set(occ["used"])
             self._total.labels(**self.labels, payload=payload).set(occ["total"])

@@ -74,6 +74,9 @@ COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages"
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
             "deleted_pages", "pool_full", "read_timeouts", "write_timeouts", "clear_errors",
             "hit_queries", "hit_query_keys", "hit_query_ns")
+# Kept per payload too: a page of a model with sidecars (DSA indexer-K, packed MTP draft layers) is a
+# hit only when every payload of it is good, so "which payload failed" is what an operator needs.
+PAYLOAD_COUNTERS = ("spill_pages", "reload_hits", "crc_errors", "header_errors", "short_reads", "foreign_blobs")
 
 
 class L3Store:
@@ -87,6 +90,7 @@ class L3Store:
         self.ranks_per_node = ranks_per_node
         self._log = RateLimitedLog(logger)
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self._payload_counters = {p: dict.fromkeys(PAYLOAD_COUNTERS, 0) for p in payloads}
         self._clock_lock = threading.Lock()
         self._last_seq = 0
         self._fatal: Optional[BaseException] = None
@@ -430,6 +434,7 @@ class L3Store:
     def stats(self) -> dict:
         with self._lock:
             counters = dict(self._counters)
+            payload_counters = {p: dict(c) for p, c in self._payload_counters.items()}
             inflight_writes = len(self._inflight)
         counters["map_grows"] = self._index.grows
         return {
@@ -437,6 +442,7 @@ class L3Store:
             "occupancy": {p: {"used": pl.slots.used, "total": pl.slots.num_slots, "durable": len(pl.lru)}
                           for p, pl in self._pools.items()},
             "counters": counters,
+            "payload_counters": payload_counters,
             "inflight": {"writes": inflight_writes, "reads": self._reads_inflight,
                          "staging_pages": self._staging.in_use, "staging_limit": self._staging.limit},
             "queues": {"write_thread": self._q.qsize(), "touches": len(self._touches), "acks": len(self._acks)},
@@ -748,6 +754,7 @@ class L3Store:
             with self._lock:
                 self._counters["reload_hits"] += 1
                 self._counters["reload_bytes"] += pool.page_bytes
+                self._payload_counters[pool.name]["reload_hits"] += 1
             self._touch(pool, ikey, self._now())
         else:
             self._count("misses")
@@ -759,6 +766,8 @@ class L3Store:
     def _bad_page(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, err: BlobError) -> None:
         counter = {"crc_mismatch": "crc_errors", "short_read": "short_reads", "foreign_blob": "foreign_blobs"
                    }.get(err.reason, "header_errors")
+        with self._lock:
+            self._payload_counters[pool.name][counter] += 1
         self._fault(counter, f"blob-{err.reason}", "L3 %s slot %d: %s; dropping the page (miss)",
                     pool.name, e.slot, err)
         self._drop_entry(pool, ikey, e)

@@ -337,6 +337,7 @@ class WriteThread:
     def _finish_group(self, group: list[WriteTask]) -> None:
         s = self.s
         spilled = spilled_bytes = 0
+        per_payload: dict = {}
         for t in group:
             pool = t.pool
             if t.error is None:
@@ -346,12 +347,15 @@ class WriteThread:
                 pool.occupy(t.ikey, t.entry(s.rank))
                 spilled += 1
                 spilled_bytes += pool.page_bytes
+                per_payload[pool.name] = per_payload.get(pool.name, 0) + 1
             else:
                 pool.slots.free_slot(t.slot)  # never indexed, so nothing references it
             self._complete(t, t.error is None)
         with s._lock:
             s._counters["spill_pages"] += spilled
             s._counters["spill_bytes"] += spilled_bytes
+            for name, n in per_payload.items():
+                s._payload_counters[name]["spill_pages"] += n
 
     def _complete(self, t: WriteTask, ok: bool) -> None:
         s = self.s
