@@ -41,8 +41,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
     "glm5": os.path.join(HERE, "models", "glm5-shaped-78l"),
+    "glm5-dsa": os.path.join(HERE, "models", "glm5-dsa-78l"),
     "small": os.path.join(HERE, "models", "mla-h4096-32l"),
 }
+INDEXER_ROW_B = 128 + 4  # DSA indexer-K per token per layer: fp8 key + fp32 scale
 PAGE = 64
 GB = 1e9
 
@@ -51,16 +53,37 @@ def log(*a):
     print(*a, flush=True)
 
 
-def kv_bytes_per_token(model_dir: str) -> int:
-    """Bytes of KV one token leaves per layer x layers (bf16; MLA latent row or K+V)."""
+def model_config(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
+        return json.load(f)
+
+
+def is_dsa(model_dir: str) -> bool:
+    return "index_topk" in model_config(model_dir)  # upstream's own test (configs/model_config.py)
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """Bytes of KV one token leaves per layer x layers (bf16; MLA latent row or K+V), plus the DSA
+    indexer-K row of a DSA model."""
+    c = model_config(model_dir)
     layers = c["num_hidden_layers"]
     if "kv_lora_rank" in c:
         row = c["kv_lora_rank"] + c["qk_rope_head_dim"]
     else:
         row = 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
-    return 2 * row * layers
+    return (2 * row + (INDEXER_ROW_B if "index_topk" in c else 0)) * layers
+
+
+def dsa_server(args) -> tuple[list, dict]:
+    """Flags and environment of a DSA server: the DSA backends on both sides, and upstream's torch
+    indexer logits where DeepGEMM is not installed (the GPU machine's kit has none)."""
+    import importlib.util
+
+    flags = ["--dsa-prefill-backend", args.dsa_prefill_backend, "--dsa-decode-backend", args.dsa_decode_backend]
+    env = dict(os.environ)
+    if importlib.util.find_spec("deep_gemm") is None:
+        env["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] = "1"
+    return flags, env
 
 
 def prompt(n: int, seed: int) -> list:
@@ -114,9 +137,17 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     common = dict(context_length=max(lengths) + 256, max_total_tokens=max_total,
                   mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout,
                   attention_backend=args.attention_backend)
+    model_flags = list(args.server_arg or [])
+    if args.kv_cache_dtype:
+        model_flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if is_dsa(model):
+        dsa_flags, common["env"] = dsa_server(args)
+        model_flags += dsa_flags
+        common["attention_backend"] = "dsa"
+    res["server_flags"] = model_flags + ["--attention-backend", common["attention_backend"]]
 
     def flags(cold):
-        return ["--enable-hierarchical-cache", "--hicache-size", str(host_gb),
+        return model_flags + ["--enable-hierarchical-cache", "--hicache-size", str(host_gb),
                 "--hicache-mem-layout", args.mem_layout,
                 "--hicache-write-policy", "write_through",
                 "--hicache-storage-prefetch-policy", "wait_complete",
@@ -149,7 +180,12 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 log(f"[{name}] re-send   {L} #{i}: {r.latency_s:.3f} s {r.cached_details}")
         want = sum((L - 1) // PAGE for L in lengths) * reps
         t = time.monotonic()
-        spilled = a.wait_metric("sglang:cp_l3_spill_pages_total", lambda v: v >= want, args.spill_timeout)
+        # The target-KV payload's pages (a DSA page also spills an indexer-K payload page).
+        deadline = t + args.spill_timeout
+        spilled = a.metric_by_label("sglang:cp_l3_payload_spill_pages_total", "payload").get("kv", 0.0)
+        while spilled < want and time.monotonic() < deadline:
+            time.sleep(0.5)
+            spilled = a.metric_by_label("sglang:cp_l3_payload_spill_pages_total", "payload").get("kv", 0.0)
         res["spill"] = {"pages_wanted": want, "pages_spilled": spilled, "wait_s": round(time.monotonic() - t, 1)}
         res["metrics_A"] = {k: v for k, v in a.metrics().items() if k.startswith("sglang:cp_l3")}
         log(f"[{name}] spilled {spilled:.0f}/{want} pages")
@@ -296,6 +332,12 @@ def main(argv=None):
     r.add_argument("--mem-fraction", type=float, default=0.8)
     r.add_argument("--attention-backend", default="triton",
                    help="upstream's --attention-backend (fa3 on sm90 prefills long prompts much faster)")
+    r.add_argument("--kv-cache-dtype", default="", help="upstream's --kv-cache-dtype (default: upstream's choice)")
+    r.add_argument("--dsa-prefill-backend", default="fa3",
+                   help="for DSA models (upstream's default, flashmla_sparse, needs the flash_mla package)")
+    r.add_argument("--dsa-decode-backend", default="fa3", help="for DSA models")
+    r.add_argument("--server-arg", action="append", metavar="ARG",
+                   help="one more launch_server argument, repeatable (e.g. --server-arg=--chunked-prefill-size=16384)")
     r.add_argument("--io-threads", type=int, default=8)
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)

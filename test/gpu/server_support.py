@@ -14,6 +14,7 @@ Under pytest-xdist each worker takes its own GPU (``gw<N>`` -> GPU N modulo the 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import random
 
@@ -30,8 +31,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
     "mla": os.path.join(HERE, "models", "tiny-dsv3"),   # DeepseekV3 architecture, MLA KV
     "mha": os.path.join(HERE, "models", "tiny-olmo2"),  # OLMo2, plain multi-head KV
+    # GLM-5's architecture (GlmMoeDsaForCausalLM): MLA KV + DSA indexer-K, one NextN draft layer
+    "dsa": os.path.join(HERE, "models", "tiny-glm5-dsa"),
 }
 PAGE = 64
+# Test-only weight shaping (kv_sensitive/sitecustomize.py): outputs that depend on the prefix KV and
+# an MTP draft that agrees with its target, so "same ids" and "same accept length" can fail.
+KV_SENSITIVE_DIR = os.path.join(HERE, "kv_sensitive")
 
 
 def worker_env() -> dict:
@@ -42,6 +48,33 @@ def worker_env() -> dict:
     if "CUDA_VISIBLE_DEVICES" not in os.environ and wid.startswith("gw"):
         env["CUDA_VISIBLE_DEVICES"] = str(int(wid[2:]) % max(1, torch.cuda.device_count()))
     return env
+
+
+def dsa_env(kv_sensitive: bool = True, **extra: str) -> dict:
+    """The worker's environment for a DSA server. Without DeepGEMM (this workplace's kit has none)
+    the indexer's logits run in upstream's torch implementation; a box with sglang's own
+    ``sgl-deep-gemm`` keeps the real kernels."""
+    env = worker_env()
+    if importlib.util.find_spec("deep_gemm") is None:
+        env["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] = "1"
+    if kv_sensitive:
+        env["SGLANG_CP_TEST_KV_SENSITIVE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (KV_SENSITIVE_DIR, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def dsa_args(mtp: bool) -> list:
+    """DSA on sm90 through FA3 on both sides (upstream's default prefill, flashmla_sparse, needs the
+    separate flash_mla package; ``SGLANG_CP_TEST_DSA_PREFILL`` picks another), bf16 KV (upstream's
+    sm90 default), and with ``mtp`` the NextN draft of the same checkpoint (spec v2, chain of 3)."""
+    args = ["--dsa-prefill-backend", os.environ.get("SGLANG_CP_TEST_DSA_PREFILL", "fa3"),
+            "--dsa-decode-backend", os.environ.get("SGLANG_CP_TEST_DSA_DECODE", "fa3"),
+            "--kv-cache-dtype", "bfloat16"]
+    if mtp:
+        args += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    return args
 
 
 def base_dir(tmp_path_factory, name: str) -> str:
@@ -80,11 +113,18 @@ def pages_of(n_tokens: int) -> int:
     return (n_tokens - 1) // PAGE
 
 
-def server(model: str, extra: list, log_dir: str, tag: str, **kw) -> ServerProcess:
+def server(model: str, extra: list, log_dir: str, tag: str, env: dict | None = None, **kw) -> ServerProcess:
     # 0.3 of the GPU each: two test servers share one GPU under pytest-xdist -n 2x#GPUs.
     kw.setdefault("mem_fraction_static", 0.3)
-    return ServerProcess(MODELS[model], extra_args=extra, env=worker_env(),
+    if model == "dsa":
+        kw.setdefault("attention_backend", "dsa")
+    return ServerProcess(MODELS[model], extra_args=extra, env=env if env is not None else worker_env(),
                          log_path=os.path.join(log_dir, f"{tag}.log"), **kw)
 
 
 METRIC = "sglang:cp_l3_{}".format
+
+
+def payload_metric(srv: ServerProcess, name: str) -> dict:
+    """{payload: value} of a ``sglang:cp_l3_payload_*`` counter."""
+    return srv.metric_by_label(METRIC(f"payload_{name}"), "payload")

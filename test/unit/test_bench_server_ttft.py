@@ -46,3 +46,14 @@ def test_report_merges_runs_into_table_json_and_plot(tmp_path):
     assert out["summary"][0]["tokens"] == 8192
     assert (tmp_path / "out" / "ttft.png").stat().st_size > 10_000
     assert "| m | 8,192 |" in (tmp_path / "out" / "ttft.md").read_text()
+
+
+def test_dsa_models_count_the_indexer_row_and_get_dsa_flags():
+    glm5, dsa = bench.MODELS["glm5"], bench.MODELS["glm5-dsa"]
+    assert bench.kv_bytes_per_token(glm5) == 78 * 2 * (512 + 64)
+    assert bench.kv_bytes_per_token(dsa) == 78 * (2 * (512 + 64) + 128 + 4)
+    assert bench.is_dsa(dsa) and not bench.is_dsa(glm5)
+    args = bench.main.__globals__["argparse"].Namespace(dsa_prefill_backend="fa3", dsa_decode_backend="fa3")
+    flags, env = bench.dsa_server(args)
+    assert flags == ["--dsa-prefill-backend", "fa3", "--dsa-decode-backend", "fa3"]
+    assert env.get("SGLANG_FP8_PAGED_MQA_LOGITS_TORCH") == "1"  # no DeepGEMM on a CPU box
