@@ -144,6 +144,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
         dsa_flags, common["env"] = dsa_server(args)
         model_flags += dsa_flags
         common["attention_backend"] = "dsa"
+    res["attention_backend"] = common["attention_backend"]
     res["server_flags"] = model_flags + ["--attention-backend", common["attention_backend"]]
 
     def flags(cold):
