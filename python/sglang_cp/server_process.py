@@ -40,7 +40,27 @@ ATTENTION_BACKEND_ENV = "SGLANG_CP_TEST_ATTENTION_BACKEND"
 
 
 class ServerStartError(RuntimeError):
-    """The server exited or did not become healthy in time; carries its log tail."""
+    """The server exited or did not become healthy in time; carries the log's first error and its tail."""
+
+
+# Lines upstream logs on every healthy start that look like errors (optional imports it skips).
+_BENIGN = ("Ignore import error when loading", "disabled: OpenAIServingResponses init failed",
+           "UserWarning", "warnings.warn")
+_ERROR_MARKS = ("Traceback (most recent call last)", "Error:", "Error(", "ERROR", "Exception:", ": error: ",
+                "CUDA error", "out of memory", "Killed")
+
+
+def first_error(log: str, context: int = 30) -> str:
+    """The first error in a server log and the lines after it (a traceback), or ''. A start that
+    fails in one of several processes often ends with the launcher's own shutdown noise: the cause
+    is the first error, not the last lines."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if any(b in line for b in _BENIGN):
+            continue
+        if any(m in line for m in _ERROR_MARKS):
+            return "\n".join(lines[i:i + context])
+    return ""
 
 
 _PR_SET_PDEATHSIG = 1
@@ -83,6 +103,7 @@ class GenResult:
     output_ids: list
     meta_info: dict
     latency_s: float
+    ttft_s: Optional[float] = None  # streaming requests only
 
     @property
     def cached_details(self) -> dict:
@@ -149,7 +170,7 @@ class ServerProcess:
                 self._wait_group_gone(30)
                 self._log.close()
                 raise ServerStartError(f"server exited with {self.proc.returncode} after "
-                                       f"{time.monotonic() - self.t0:.0f} s:\n{self.log_tail()}")
+                                       f"{time.monotonic() - self.t0:.0f} s:\n{self.failure_report()}")
             try:
                 if self._get("/health", timeout=2).status == 200:
                     self.startup_s = time.monotonic() - self.t0
@@ -158,7 +179,7 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         self.kill()
-        raise ServerStartError(f"server not healthy within {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServerStartError(f"server not healthy within {self.startup_timeout_s:.0f} s:\n{self.failure_report()}")
 
     def wait_exit(self, timeout_s: float) -> Optional[int]:
         """Exit code of a server expected to stop by itself (a startup error), or None."""
@@ -218,6 +239,12 @@ class ServerProcess:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
 
+    def failure_report(self, tail: int = 40) -> str:
+        text = self.log_text()
+        first = first_error(text)
+        head = f"first error in {self.log_path}:\n{first}\n" if first else f"no error line in {self.log_path}\n"
+        return head + f"--- last {tail} lines:\n" + "\n".join(text.splitlines()[-tail:])
+
     # ---- HTTP ------------------------------------------------------------------------
     def _get(self, path: str, timeout: float):
         return urllib.request.urlopen(self.url + path, timeout=timeout)
@@ -244,6 +271,34 @@ class ServerProcess:
             raise RuntimeError(f"/generate -> HTTP {status}: {raw[:2000]!r}")
         j = json.loads(raw)
         return GenResult(output_ids=j.get("output_ids"), meta_info=j.get("meta_info", {}), latency_s=dt)
+
+    def generate_stream(self, input_ids: list, max_new_tokens: int = 8, timeout_s: float = 600.0) -> GenResult:
+        """Greedy streaming ``/generate``: the result's ``ttft_s`` is the time to the first chunk."""
+        body = {"input_ids": list(input_ids), "stream": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        t = time.perf_counter()
+        ttft, last = None, None
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                if ttft is None:
+                    ttft = time.perf_counter() - t
+                last = json.loads(data)
+                if "error" in last:
+                    raise RuntimeError(f"/generate stream error: {last['error']}")
+        if last is None:
+            raise RuntimeError("/generate stream ended without a chunk")
+        res = GenResult(output_ids=last.get("output_ids"), meta_info=last.get("meta_info", {}),
+                        latency_s=time.perf_counter() - t)
+        res.ttft_s = ttft
+        return res
 
     def flush_cache(self, timeout_s: float = 120.0) -> None:
         status, raw = self._post("/flush_cache", None, timeout_s)

@@ -73,3 +73,21 @@ def test_server_dies_with_the_process_that_started_it(tmp_path):
     if alive:
         os.killpg(pid, signal.SIGKILL)
     assert not alive, "the launcher outlived the process that started it"
+
+
+def test_a_start_failure_reports_the_first_error_not_only_the_shutdown_noise(tmp_path):
+    """A scheduler that dies at startup is followed by the launcher's own teardown lines: the report
+    must carry the cause (the first traceback), which the log's last lines no longer show."""
+    from sglang_cp.server_process import first_error
+
+    log = tmp_path / "s.log"
+    cause = ["[2026-12-01 10:00:01] Scheduler hit an exception: Traceback (most recent call last):",
+             '  File "scheduler.py", line 12, in run', "torch.OutOfMemoryError: CUDA out of memory. Tried 2 GiB"]
+    noise = [f"[2026-12-01 10:00:02] Ignore import error when loading sglang.srt.models.m{i}: No module"
+             for i in range(3)] + [f"[2026-12-01 10:00:03] shutting down child {i}" for i in range(80)]
+    log.write_text("\n".join(noise[:3] + ["server_args=..."] + cause + noise[3:]) + "\n")
+    srv = ServerProcess(MODEL, log_path=str(log))
+    report = srv.failure_report()
+    assert "CUDA out of memory" in report and "Traceback" in report
+    assert "Ignore import error" not in first_error(log.read_text())
+    assert "CUDA out of memory" not in srv.log_tail(40)  # what the old report showed
