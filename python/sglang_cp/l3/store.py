@@ -34,7 +34,8 @@ from .config import SLAB_SUBDIR, L3Config  # noqa: F401  (SLAB_SUBDIR: re-export
 from .disk_slab import DiskSlab, FaultInjector
 from .errors import L3InvariantError, L3StartupError
 from .files import private_dir, private_dirs
-from .gc import HeldDigests, WatermarkPolicy
+from .gc import WatermarkPolicy
+from .held import HeldDigests
 from .index import MAX_RANKS, IndexEntry, IndexFull, IndexUnavailable, SharedIndex, index_key
 from .index import key_prefix as index_key_prefix
 from .native_digest import native_digests

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from l3_helpers import each_reference, page
-from sglang_cp.l3 import gc as l3gc
-from sglang_cp.l3.gc import HeldDigests
+from sglang_cp.l3 import held as l3held
+from sglang_cp.l3.held import HeldDigests
 
 P = 4096
 
@@ -73,7 +73,7 @@ def test_the_table_answers_what_the_dict_answers_through_puts_discards_and_rebui
 
 
 def test_a_chain_longer_than_the_probe_bound_is_answered_by_the_dict(monkeypatch):
-    monkeypatch.setattr(l3gc, "_MAX_PROBES", 8)
+    monkeypatch.setattr(l3held, "_MAX_PROBES", 8)
     rng = random.Random(3)
     h = HeldDigests()
     h.rebuild_table()
