@@ -48,6 +48,7 @@ from sglang_cp.integration.l3_storage_config import DTYPES_KEY
 from sglang_cp.integration.page_groups import validate_page_aligned
 from sglang_cp.l3.errors import L3StartupError
 from sglang_cp.l3.ratelog import RateLimitedLog
+from sglang_cp.l3.recovery import DEFAULT_COLD_START
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class CpL3Storage(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         self.l3_config_path = extra.get("cp_l3_config")
-        self.cold_start = extra.get("cp_l3_cold_start", "clear")
+        self.cold_start = extra.get("cp_l3_cold_start", DEFAULT_COLD_START)
         self.cp_strategy = extra.get("cp_strategy") or "none"
         if not self.l3_config_path:
             raise ValueError(

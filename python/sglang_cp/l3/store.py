@@ -42,7 +42,7 @@ from .native_digest import native_digests
 from .ownership import RankLock
 from .payload_pool import PayloadPool
 from .ratelog import RateLimitedLog
-from .recovery import COLD_START_MODES, cold_start, write_record as write_cold_start_record
+from .recovery import DEFAULT_COLD_START, check_mode, run_cold_start, write_record as write_cold_start_record
 from .staging import Staging, Tokens
 from .writer import WriteThread, WriteTask
 
@@ -79,7 +79,7 @@ COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages"
 
 class L3Store:
     def __init__(self, config: L3Config, *, rank: int, ranks_per_node: int, payloads: dict[str, int],
-                 cold_start: str = "clear", fault_injector: Optional[FaultInjector] = None,
+                 cold_start: str = DEFAULT_COLD_START, fault_injector: Optional[FaultInjector] = None,
                  owner: Optional[str] = None):
         """`owner` describes this rank's identity in ownership errors (e.g. the server's DP/PP/TP ranks)."""
         _check_args(config, rank, ranks_per_node, payloads, cold_start)
@@ -159,7 +159,7 @@ class L3Store:
                                            for _ in range(_LANDING_PER_THREAD * config.io.threads)]
                                   for p in self._pools.values()}
             try:
-                cold_start_result = cold_start_fn(cold_start, self._index, rank, self._by_tag, config.io.threads)
+                cold_start_result = run_cold_start(cold_start, self._index, rank, self._by_tag, config.io.threads)
             except (IndexFull, IndexUnavailable) as e:
                 raise L3StartupError(f"index.dir: the LMDB index failed during cold start '{cold_start}' ({e}); "
                                      "check the disk under index.dir, or start with --cp-l3-cold-start clear") from None
@@ -1057,9 +1057,6 @@ class L3Store:
             self._drain_queue()
 
 
-cold_start_fn = cold_start
-
-
 def _landing_bytes(pool: PayloadPool) -> int:
     """One landing area for a payload: the longest coalesced read (_read_runs), whole slot extents."""
     return max(1, _READ_IO_BYTES // pool.extent) * pool.extent
@@ -1093,9 +1090,7 @@ def _check_args(config, rank, ranks_per_node, payloads, cold_start_mode) -> None
             raise ValueError(f"payloads: name {name!r} must match [A-Za-z0-9_-]{{1,64}} (it names a slab file)")
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
             raise ValueError(f"payloads[{name!r}]: page bytes must be a positive int, got {b!r}")
-    if cold_start_mode not in COLD_START_MODES:
-        raise ValueError(f"cold_start: {cold_start_mode!r} is not one of {', '.join(COLD_START_MODES)} "
-                         "(--cp-l3-cold-start)")
+    check_mode(cold_start_mode)
     for r, name in config.rank_to_disk.items():
         if r >= ranks_per_node:
             logger.warning("L3: rank_to_disk.\"%d\" names a rank >= ranks_per_node=%d; ignored", r, ranks_per_node)

@@ -452,12 +452,12 @@ class WriteThread:
         """A runtime clear. If the index fails, the pages stay as they were and the caller gets a miss-like
         outcome (a counter, a log, ``clear()`` returns False), never a dead store: the rank's entries are
         deleted from the index first, and only then are the slots freed (index delete before slot free)."""
-        from .recovery import cold_start
+        from .recovery import run_cold_start
         s = self.s
         try:
             try:
                 wiped = s._index.delete_rank(s.rank)
-                result = cold_start("clear", s._index, s.rank, s._by_tag, 1)
+                result = run_cold_start("clear", s._index, s.rank, s._by_tag, 1)
             except (IndexFull, IndexUnavailable, OSError) as err:
                 s._fault("clear_errors", "clear", "L3 rank %d: clear failed (%s); the store keeps serving", s.rank,
                          err)
