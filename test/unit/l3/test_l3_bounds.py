@@ -211,7 +211,7 @@ def test_submit_racing_close_is_settled(make_store, call, where):
     s = make_store()
     raced = []
     if where == "lookup":
-        real = s._index.get_many
+        real = s.state.index.get_many
 
         def get_many_then_close(ikeys):
             out = real(ikeys)
@@ -219,16 +219,16 @@ def test_submit_racing_close_is_settled(make_store, call, where):
                 raced.append(1)
                 s.close()
             return out
-        s._index.get_many = get_many_then_close
+        s.state.index.get_many = get_many_then_close
     else:
-        real_emit = s._emit
+        real_emit = s.state.emit
 
         def emit_then_close(op, i, kind, ok):
             real_emit(op, i, kind, ok)
             if kind == AckKind.GATHERED and not raced:
                 raced.append(1)
                 s.close()
-        s._emit = emit_then_close
+        s.state.emit = emit_then_close
     if call == "submit_write":
         def run():
             op = s.submit_write("kv", keys(3), [page(i) for i in range(3)])
