@@ -198,7 +198,16 @@ class WriteThread:
 
     def _submit_io(self, run: list[WriteTask]) -> None:
         self.io_pending += len(run)
-        self.st.submit_io(self._io, self._io_write, run)
+        if self.st.submit_io(self._io, self._io_write, run):
+            return
+        # The I/O pool is shut: close() gave up waiting for this thread (busy in an index txn that the
+        # device held up, e.g. a forced reclaim's delete) and failed its pages. Nothing reads the run's
+        # buffers, so settle it as a failed write would be: buffers back, slots free, waiters failed.
+        self.io_pending -= len(run)
+        for t in run:
+            t.error = "closed"
+            t.pool.slots.free_slot(t.slot)  # never written, so nothing references it
+            self._complete(t, False)
 
     def _io_write(self, run: list[WriteTask]) -> None:
         st = self.st
