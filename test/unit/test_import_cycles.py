@@ -124,7 +124,8 @@ def _annotation_names(tree: ast.AST) -> set[str]:
         anns = []
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
-            anns = [x.annotation for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x] + [node.returns]
+            args = a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg]
+            anns = [x.annotation for x in args if x] + [node.returns]
         elif isinstance(node, ast.AnnAssign):
             anns = [node.annotation]
         for ann in filter(None, anns):

@@ -52,8 +52,9 @@ class ReadPath:
         # VMs) when the store opens, before cold start. An area is taken for one preadv and comes back
         # only after its pages were copied out, so a preadv stuck in the kernel keeps its area for good
         # and a late completion lands where nobody looks.
-        self._landing_free = {p.name: [huge_aligned_view(_landing_bytes(p)) for _ in range(_LANDING_PER_THREAD * threads)]
-                              for p in st.pools.values()}
+        self._landing_free = {
+            p.name: [huge_aligned_view(_landing_bytes(p)) for _ in range(_LANDING_PER_THREAD * threads)]
+            for p in st.pools.values()}
         self._landing_cond = threading.Condition()
         self._permits = max(st.config.io.max_inflight_pages, threads)
         self._slots = Tokens(self._permits)

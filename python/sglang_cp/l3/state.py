@@ -60,8 +60,8 @@ from .staging import Staging
 # One logger for all of the store's parts, under the name it always had (operators filter by it).
 logger = logging.getLogger("sglang_cp.l3.store")
 
-COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages", "write_already_durable", "write_errors",
-            "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
+COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages", "write_already_durable",
+            "write_errors", "reload_pages", "reload_hits", "reload_bytes", "misses", "read_errors", "crc_errors",
             "header_errors", "foreign_blobs", "short_reads", "bad_pages_dropped", "gc_reclaimed",
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
             "deleted_pages", "pool_full", "read_timeouts", "write_timeouts", "clear_errors",
