@@ -71,16 +71,16 @@ class PhaseProbes:
                     ev.append((phase, t, time.perf_counter()))
             setattr(obj, attr, wrapper)
         timed(r.backend, "_set", "backend_set")
-        timed(store, "_submit_write", "submit")          # index lookup + staging copy + hand-over
-        timed(store._index, "get_many", "index_lookup")
-        for pool in store._pools.values():
+        timed(store, "start_write_pages", "submit")          # index lookup + staging copy + hand-over
+        timed(store.state.index, "get_many", "index_lookup")
+        for pool in store.state.pools.values():
             timed(pool.slab, "write_slots", "pwrite")
             timed(pool.slab, "write_slot", "pwrite")
             timed(pool.slab, "sync", "fdatasync")
             timed(pool, "seal_image", "crc_seal")
             timed(pool, "seal_zero_copy", "crc_seal")
-        timed(store._index, "commit", "index_commit")     # LMDB writer-lock wait + txn + its flushes
-        index = store._index
+        timed(store.state.index, "commit", "index_commit")     # LMDB writer-lock wait + txn + its flushes
+        index = store.state.index
 
         class TimedEnv:  # the LMDB writer lock is taken in begin(write=True)
             def __init__(self, env):

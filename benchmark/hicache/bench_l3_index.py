@@ -57,6 +57,13 @@ QUERY_KEYS = 16384
 BATCH = 128
 
 
+def lmdb_rows(payloads: list[str], skeys: list[bytes], rank: int = 0) -> list[tuple]:
+    """The index keys rank `rank` holds for each key in every payload, one row per key (the input of
+    LmdbIndex.exists_prefix, the LMDB floor the store's hit query is measured against)."""
+    digests = key_digests(rank)(skeys)
+    return list(zip(*[[key_prefix(rank, payload_tag(p)) + d for d in digests] for p in payloads]))
+
+
 def build(index, n: int, seed: int) -> float:
     """n entries of ranks 1..7 (half KV, half indexer), appended in key order: one sorted bulk load.
     Keys in the index's own layout (key_prefix(rank, tag) + 16-byte digest)."""
@@ -190,7 +197,7 @@ def one_size(base: str, n: int, args) -> dict:
             for p in ("kv", "indexer"):
                 for s in range(0, QUERY_KEYS, 1024):
                     assert all(store.write_pages(p, skeys[s:s + 1024], [page] * len(skeys[s:s + 1024])))
-            out["index_entries"] = store._index.count()
+            out["index_entries"] = store.state.index.count()
             # The keys as the backend of this tree passes them: upstream's str page hashes where the store
             # takes str tails, else encoded (KeyScheme.suffixes; the tree before it did).
             try:
@@ -204,7 +211,7 @@ def one_size(base: str, n: int, args) -> dict:
             hashers = {dt: native_digests(idx_dir, dt) for dt in dts}
 
             def use(dt):  # the store's hit-query hasher: hashlib (0) or the native one on dt threads
-                store._digests = key_digests(0, hashers[dt])
+                store.state.digests = key_digests(0, hashers[dt])
 
             def runs_for(nk):
                 return args.runs if nk <= 2048 else max(20, args.runs // 4)
@@ -230,16 +237,16 @@ def one_size(base: str, n: int, args) -> dict:
                     lambda: store.exists_prefix("kv", tails(h), key_prefix=ks.prefix(0)) == nk or _fail(), runs)
                 kvix_queries(nk, ("prefix2", "each8", ""))
                 # Floors, same run: the LMDB lookups alone (store keys digested beforehand), one txn.
-                rows1 = store._exists_rows(["kv"], skeys[:nk])
-                rows2 = store._exists_rows(["kv", "indexer"], skeys[:nk])
-                out[f"lmdb1_{nk}"] = timed(lambda: store._index.exists_prefix(rows1) == nk or _fail(), runs)
-                out[f"lmdb2_{nk}"] = timed(lambda: store._index.exists_prefix(rows2) == nk or _fail(), runs)
+                rows1 = lmdb_rows(["kv"], skeys[:nk])
+                rows2 = lmdb_rows(["kv", "indexer"], skeys[:nk])
+                out[f"lmdb1_{nk}"] = timed(lambda: store.state.index.exists_prefix(rows1) == nk or _fail(), runs)
+                out[f"lmdb2_{nk}"] = timed(lambda: store.state.index.exists_prefix(rows2) == nk or _fail(), runs)
             # Rank 0 holding its share of the node (N / 8 pages): the hit query looks keys up in the rank's
             # held digests, whose size is the rank's page count, not the index's. Synthetic digests (both
             # payloads) are added to the store's HeldDigests and its table rebuilt, as cold start does.
             share = max(0, n // 8 - QUERY_KEYS)
             if args.held_share and share:
-                held = store._held
+                held = store.state.held
                 raw = np.random.default_rng(n + 1).bytes(16 * share)
                 for i in range(0, 16 * share, 16):
                     held._d[raw[i:i + 16]] = 3
@@ -256,8 +263,8 @@ def one_size(base: str, n: int, args) -> dict:
                     kvix_queries(nk, ("share2", "share8", t))
                     # Where a query's time goes, same run: the keys' digests alone, then the held table's
                     # probes alone for those digests (one vectorized call; the query probes in chunks).
-                    out[f"digest_{nk}{t}"] = timed(lambda: store._digests(tails(h), ks.prefix(0)), runs)
-                    dg = store._digests(tails(h), ks.prefix(0))
+                    out[f"digest_{nk}{t}"] = timed(lambda: store.state.digests(tails(h), ks.prefix(0)), runs)
+                    dg = store.state.digests(tails(h), ks.prefix(0))
                     if not t and getattr(held, "many", None) is not None and held.many(dg) is not None:
                         out[f"probe_{nk}"] = timed(lambda: held.many(dg), runs)
                 use(dts[0])

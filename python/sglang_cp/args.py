@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from sglang_cp.l3.recovery import COLD_START_MODES as COLD_START_CHOICES, DEFAULT_COLD_START
+
 logger = logging.getLogger(__name__)
 
 GROUP_TITLE = "sglang-cp (context-parallel tiered KV cache)"
@@ -26,7 +28,6 @@ GROUP_DESCRIPTION = (
     "Flags added by the sglang-cp plugin. All default off; with none given SGLang "
     "behaves exactly as without the plugin. Kill switch: SGLANG_CP_DISABLE=1."
 )
-COLD_START_CHOICES = ("clear", "load", "verify")
 # Name under which our store is handed to upstream's dynamic storage-backend factory.
 L3_BACKEND_NAME = "sglang_cp_l3"
 
@@ -41,7 +42,7 @@ class CpFlags:
 
     enable_cp_l3: bool = False
     cp_l3_config: Optional[str] = None
-    cp_l3_cold_start: str = "clear"
+    cp_l3_cold_start: str = DEFAULT_COLD_START
     enable_cp_shared_physical_l2_hicache: bool = False
     cp_shared_l2_hugetlbfs_dir: str = "/dev/hugepages"
     cp_hicache_max_slab_gb: float = 480.0

@@ -66,9 +66,10 @@ def register() -> bool:
         return False
 
 
-# Our flags, as a plain list: the notice must work even when sglang_cp.args is what failed to import.
-_FLAGS = ("--enable-cp-l3", "--cp-l3-config", "--cp-l3-cold-start", "--enable-cp-shared-physical-l2-hicache",
-          "--cp-shared-l2-hugetlbfs-dir", "--cp-hicache-max-slab-gb", "--cp-hicache-placement-assert")
+# Our flags, as a plain list: the notice must work even when sglang_cp.args is what failed to import
+# (test/unit/test_flag_lists.py keeps it equal to args' flags).
+FLAGS = ("--enable-cp-l3", "--cp-l3-config", "--cp-l3-cold-start", "--enable-cp-shared-physical-l2-hicache",
+         "--cp-shared-l2-hugetlbfs-dir", "--cp-hicache-max-slab-gb", "--cp-hicache-placement-assert")
 
 
 def _register_failure_notice(cause: str) -> None:
@@ -85,9 +86,9 @@ def _register_failure_notice(cause: str) -> None:
 
     def add_cli_args_around(original, parser):
         result = original(parser)
-        if not any(f in a.option_strings for a in parser._actions for f in _FLAGS):
+        if not any(f in a.option_strings for a in parser._actions for f in FLAGS):
             group = parser.add_argument_group("sglang-cp (failed to register: its flags are unavailable)")
-            for flag in _FLAGS:
+            for flag in FLAGS:
                 group.add_argument(flag, action=_Unavailable, nargs="?", help=argparse.SUPPRESS)
         return result
 

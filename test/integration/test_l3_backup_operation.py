@@ -52,7 +52,7 @@ def backup_with_syncs_held(rank, world, rendezvous, l3_config, n_pages, batch, f
     out = {}
     try:
         store = r.backend.store
-        store._pools["kv"].slab.fault_injector = seam
+        store.state.pools["kv"].slab.fault_injector = seam
         tokens = tokens_for(n_pages, seed=11)
         hi = r.alloc_host(n_pages * PAGE)
         r.fill(hi, n_pages)
@@ -76,11 +76,11 @@ def backup_with_syncs_held(rank, world, rendezvous, l3_config, n_pages, batch, f
             time.sleep(0.02)
         out["written_while_held"] = len(writes)
         out["acked_while_held"] = "completed" in box
-        out["indexed_while_held"] = store._index.count()
+        out["indexed_while_held"] = store.state.index.count()
         gate.set()
         t.join(120)
         out["completed"] = box.get("completed")
-        out["indexed_after_ack"] = store._index.count()
+        out["indexed_after_ack"] = store.state.index.count()
         r.group.free(hi)
         r.zero_host()
         hit, completed, hi2 = r.prefetch(tokens)

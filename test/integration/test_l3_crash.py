@@ -47,7 +47,7 @@ CHILD = textwrap.dedent("""
         lmdb.open = lambda *a, **kw: _open(*a, **dict(kw, sync=False, metasync=False))
     elif red == "dirsync":  # the new slab's directory entry never flushed (the cold-start record's
         import sglang_cp.l3.disk_slab as ds  # rename flushes that directory too, and may fail: off too)
-        import sglang_cp.l3.store as st
+        import sglang_cp.l3.state as st
         ds.fsync_dir = lambda path: None
         st.write_cold_start_record = lambda *a: None
     else:
@@ -133,10 +133,10 @@ def check_store(root, gc, gens, full, rnd, cap=1.0):
             older = sorted(a for a in acked if not a[1].startswith(mine))
             acked = {a for a in acked if a[1].startswith(mine)} | set(rnd.sample(older, min(300, len(older))))
         # 0 slot collisions, pool == index.
-        entries = s._index.scan_rank(0)
+        entries = s.state.index.scan_rank(0)
         slots = [(e.payload_tag, e.slot) for _, e in entries]
         assert len(slots) == len(set(slots)), "two index entries share a slot"
-        for p in s._pools.values():
+        for p in s.state.pools.values():
             assert p.slots.used == len(p.lru) == sum(1 for _, e in entries if e.payload_tag == p.tag)
             if not gc:
                 # The premise of "every acked page survives" is that GC never ran: every page ever

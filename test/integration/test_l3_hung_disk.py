@@ -51,7 +51,7 @@ def hung_disk(rank, world, rendezvous, l3_config, n_pages):
     out = {}
     try:
         store = r.backend.store
-        store._pools["kv"].slab.fault_injector = stall
+        store.state.pools["kv"].slab.fault_injector = stall
         tokens = tokens_for(n_pages, seed=5)
         hi = r.alloc_host(n_pages * PAGE)
         r.fill(hi, n_pages)

@@ -29,7 +29,7 @@ RANK = textwrap.dedent("""
     assert all(s.read_pages("kv", ks, outs))
     assert all(bytes(o) == content(k) for k, o in zip(ks, outs))
     assert s.exists_prefix("kv", ks) == 600
-    print(s._pools["kv"].slab.path, s.stats()["counters"]["map_grows"])
+    print(s.state.pools["kv"].slab.path, s.stats()["counters"]["map_grows"])
     s.close()
 """)
 

@@ -46,6 +46,8 @@ import time
 import traceback
 import types
 
+from sglang_cp.l3.recovery import DEFAULT_COLD_START
+
 GLM5_KV_LORA, GLM5_ROPE = 512, 64
 PAGE = 64
 
@@ -59,7 +61,7 @@ def page_bytes_pattern(page_i: int, nbytes: int, salt: int = 0):
 
 class Rank:
     def __init__(self, rank, world, rendezvous, l3_config, *, sharded, layers=4, host_pages=64,
-                 cold_start="clear", extra_args=(), layout="page_first", model_name=None,
+                 cold_start=DEFAULT_COLD_START, extra_args=(), layout="page_first", model_name=None,
                  sidecars=False, backend="cp_l3", file_dir=None):
         import torch
         import torch.distributed as dist

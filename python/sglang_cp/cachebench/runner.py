@@ -20,12 +20,12 @@ from rich.markup import escape
 
 from sglang_cp.cachebench.cp_testbed import PAGE, RankDied, run_ranks
 from sglang_cp.display import rel
+from sglang_cp.l3.recovery import COLD_START_MODES, DEFAULT_COLD_START
 
 from . import rawdisk, report
 from .rank_program import run_phases
 from .workload import TraceError, WorkloadSpec, generate, read_trace, unique_pages
 
-COLD_START_MODES = ("clear", "load", "verify")  # as --cp-l3-cold-start (sglang_cp.args)
 
 KV_ROW_BYTES = (512 + 64) * 2  # GLM-5 MLA latent + rope, bf16, per token per layer
 INDEXER_ROW_BYTES, DRAFT_ROW_BYTES = 132, 656
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-l3-config", default=None, metavar="PATH",
                    help="replay against this existing L3 config and its directories; nothing is deleted "
                         "(default: a fresh L3 directory under --out-dir, deleted and recreated each run)")
-    p.add_argument("--cp-l3-cold-start", choices=COLD_START_MODES, default="clear",
+    p.add_argument("--cp-l3-cold-start", choices=COLD_START_MODES, default=DEFAULT_COLD_START,
                    help="what the first rank processes do with pages already on disk: 'clear' (default) starts "
                         "empty; 'load' / 'verify' replay against them (without --cp-l3-config: the L3 directory "
                         "an earlier run left under --out-dir, kept as it is). The restart phase always uses 'load'")

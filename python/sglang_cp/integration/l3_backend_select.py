@@ -49,9 +49,7 @@ def select_backend(server_args) -> None:
     """Declare our store as the storage backend when --enable-cp-l3 is on (idempotent)."""
     if not cp_args.flags_of(server_args).enable_cp_l3:
         return
-    cfg = resolving_view(server_args)
-    if cfg.hicache_storage_backend == "dynamic" and cp_args.L3_BACKEND_NAME in str(
-            cfg.hicache_storage_backend_extra_config or ""):
+    if _ours_selected(server_args):
         return
     declare_resolution(
         server_args, "sglang_cp.select_l3_backend",
@@ -83,9 +81,8 @@ def check_no_live_owner(server_args) -> None:
 
 
 def _ours_selected(server_args) -> bool:
-    cfg = resolving_view(server_args)
-    return cfg.hicache_storage_backend == "dynamic" and cp_args.L3_BACKEND_NAME in str(
-        cfg.hicache_storage_backend_extra_config or "")
+    """args' test of "our store is the backend", on the values as resolution sees them so far."""
+    return cp_args.storage_backend_is_ours(resolving_view(server_args))
 
 
 def kv_sharding_around(server_args, previous):

@@ -48,6 +48,7 @@ from sglang_cp.integration.l3_storage_config import DTYPES_KEY
 from sglang_cp.integration.page_groups import validate_page_aligned
 from sglang_cp.l3.errors import L3StartupError
 from sglang_cp.l3.ratelog import RateLimitedLog
+from sglang_cp.l3.recovery import DEFAULT_COLD_START
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +96,19 @@ class CpL3Storage(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
         self.l3_config_path = extra.get("cp_l3_config")
-        self.cold_start = extra.get("cp_l3_cold_start", "clear")
+        self.cold_start = extra.get("cp_l3_cold_start", DEFAULT_COLD_START)
         self.cp_strategy = extra.get("cp_strategy") or "none"
         if not self.l3_config_path:
             raise ValueError(
                 "sglang-cp L3 backend: extra_config lacks 'cp_l3_config'; start the server with "
                 "--enable-cp-l3 --cp-l3-config PATH instead of spelling the dynamic backend by hand"
+            )
+        if not extra.get("interface_v1"):
+            raise ValueError(
+                "sglang-cp L3 backend: extra_config lacks 'interface_v1': 1, so upstream would move pages "
+                "through the legacy get/set API, which this backend refuses (it serves the zero-copy v1/v2 "
+                "page API only); start the server with --enable-cp-l3 --cp-l3-config PATH instead of "
+                "spelling the dynamic backend by hand"
             )
         self.store = None
         self.mem_pool_host = None
@@ -394,27 +402,25 @@ class CpL3Storage(HiCacheStorage):
         return {_pool_key(t.name): self._get(_pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
 
     # ------------------------------------------------------------------ legacy (non-v1) API
+    # Refused. Upstream calls get/set/batch_get/batch_set only on its generic page path (a dynamic
+    # backend without interface_v1): whole logical pages by key, copies of host pages, no CP stripes,
+    # no sidecar payloads. Served here it read into a copy of a non-contiguous target and reported a
+    # hit, and under sharding it would store every rank's whole pages. __init__ refuses a config that
+    # would take that path; a direct call fails loud instead of moving the wrong bytes.
     def exists(self, key: str) -> bool:
         return self._exists_prefix([KV_PAYLOAD], [key]) == 1
 
     def get(self, key, target_location=None, target_sizes=None):
-        out = target_location if target_location is not None else torch.empty(
-            self.payloads[KV_PAYLOAD], dtype=torch.uint8)
-        ok = self.store.read_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()), [_as_bytes_view(out)],
-                                   timeout=READ_TIMEOUT_S)
-        return out if ok[0] else None
+        raise _legacy_api("get")
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        outs = target_locations or [None] * len(keys)
-        return [self.get(k, o) for k, o in zip(keys, outs)]
+        raise _legacy_api("batch_get")
 
     def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
-        return self.store.write_pages(KV_PAYLOAD, self.keys.keys([key], self._owner_key_rank()),
-                                      [_as_bytes_view(value)], timeout=WRITE_TIMEOUT_S)[0]
+        raise _legacy_api("set")
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        return all(self.store.write_pages(KV_PAYLOAD, self.keys.keys(keys, self._owner_key_rank()),
-                                          [_as_bytes_view(v) for v in values], timeout=WRITE_TIMEOUT_S))
+        raise _legacy_api("batch_set")
 
     def clear(self) -> None:
         if self.store is not None:
@@ -455,6 +461,13 @@ def _start_metrics(sc: HiCacheStorageConfig, cp_rank: int, stats_fn):
         _collector = CpL3MetricsCollector(
             {"cp_rank": str(cp_rank), "tp_rank": str(sc.tp_rank), "pp_rank": str(sc.pp_rank)})
     return MetricsPublisher(_collector, stats_fn)
+
+
+def _legacy_api(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"sglang-cp L3 backend: {name}() is upstream's legacy page API, which this backend does not serve; "
+        "pages move through batch_get_v1/batch_set_v1 and the v2 pool transfers (interface_v1: 1, which "
+        "--enable-cp-l3 selects)")
 
 
 def _pool_key(name) -> str:

@@ -280,7 +280,9 @@ class LmdbIndex:
         return self._read(fn)
 
     def exists_prefix(self, ikey_rows: list[list[bytes]]) -> int:
-        """Length of the prefix of rows whose keys are all present; one read txn."""
+        """Length of the prefix of rows whose keys are all present; one read txn. Not the store's hit
+        query (hits.py answers from memory, no txn): the LMDB-only answer that bench_l3_index measures the
+        hit query against and tests use to see what is durable."""
         def fn(txn):
             n = 0
             for row in ikey_rows:

@@ -22,7 +22,10 @@ from .blob import BlobError, check_identity
 from .index import IndexEntry, LmdbIndex, ikey_digest
 from .payload_pool import PayloadPool
 
+# The modes and the default of --cp-l3-cold-start, of L3Store(cold_start=) and of cachebench: defined
+# here only, where they are implemented; args.py, the backend and cachebench import them.
 COLD_START_MODES = ("clear", "load", "verify")
+DEFAULT_COLD_START = "clear"  # never trusts what is on disk: a changed or damaged tier costs nothing
 _RECORD_NAME = "r{rank}.cold_start.json"
 _RECORD_RE = re.compile(r"^r(\d+)\.cold_start\.json$")
 
@@ -70,10 +73,15 @@ def read_record(slab_dir: str, rank: int) -> dict | None:
     return rec if isinstance(rec, dict) else {"rank": rank, "error": "record is not a JSON object"}
 
 
-def cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadPool], threads: int) -> dict:
+def check_mode(mode: str) -> None:
+    """ValueError unless `mode` is a cold-start mode (the store checks before it opens anything)."""
     if mode not in COLD_START_MODES:
         raise ValueError(f"cold_start: {mode!r} is not one of {', '.join(COLD_START_MODES)} "
                          "(--cp-l3-cold-start)")
+
+
+def run_cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadPool], threads: int) -> dict:
+    check_mode(mode)
     t0 = time.monotonic()
     for p in pools.values():
         p.reset()

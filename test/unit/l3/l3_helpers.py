@@ -36,18 +36,25 @@ def page(i: int, size: int = 16384) -> bytes:
 
 
 def slab_path(store: L3Store, payload: str = "kv") -> str:
-    return store._pools[payload].slab.path
+    return store.state.pools[payload].slab.path
 
 
 def slot_of(store: L3Store, key: bytes, payload: str = "kv") -> int:
     from sglang_cp.l3.blob import key_digest
     from sglang_cp.l3.index import index_key
-    pool = store._pools[payload]
+    pool = store.state.pools[payload]
     return pool.lru.get(index_key(pool.tag, key_digest(store.rank, key), store.rank)).slot
 
 
+def index_rows(store: L3Store, payloads: list[str], keys: list[bytes]) -> list[list[bytes]]:
+    """The index keys of each key in every payload, one row per key (LmdbIndex.exists_prefix's input)."""
+    from sglang_cp.l3.index import index_key
+    st = store.state
+    return [[index_key(st.pool(p).tag, st.digest(k), store.rank) for p in payloads] for k in keys]
+
+
 def slot_offset(store: L3Store, key: bytes, payload: str = "kv") -> int:
-    return slot_of(store, key, payload) * store._pools[payload].slab.slot_bytes
+    return slot_of(store, key, payload) * store.state.pools[payload].slab.slot_bytes
 
 
 def flip(path: str, offset: int, mask: int = 0x01) -> None:

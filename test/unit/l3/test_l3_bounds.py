@@ -211,7 +211,7 @@ def test_submit_racing_close_is_settled(make_store, call, where):
     s = make_store()
     raced = []
     if where == "lookup":
-        real = s._index.get_many
+        real = s.state.index.get_many
 
         def get_many_then_close(ikeys):
             out = real(ikeys)
@@ -219,16 +219,16 @@ def test_submit_racing_close_is_settled(make_store, call, where):
                 raced.append(1)
                 s.close()
             return out
-        s._index.get_many = get_many_then_close
+        s.state.index.get_many = get_many_then_close
     else:
-        real_emit = s._emit
+        real_emit = s.state.emit
 
         def emit_then_close(op, i, kind, ok):
             real_emit(op, i, kind, ok)
             if kind == AckKind.GATHERED and not raced:
                 raced.append(1)
                 s.close()
-        s._emit = emit_then_close
+        s.state.emit = emit_then_close
     if call == "submit_write":
         def run():
             op = s.submit_write("kv", keys(3), [page(i) for i in range(3)])
@@ -248,3 +248,35 @@ def test_submit_racing_close_is_settled(make_store, call, where):
     assert raced
     assert done, f"{call} racing close() waits forever for a write thread that is gone"
     assert res == [False] * 3
+
+
+def test_runs_dispatched_after_close_gave_up_are_settled(make_store):
+    """close() gives up on a write thread held inside an index txn (here a forced reclaim's delete, on a
+    full pool) and shuts the write I/O pool. When the txn returns, the thread still dispatches the pages
+    it had taken; those runs cannot be submitted any more and must be settled, not dropped: once the
+    thread is gone every slot is durable or free, and staging is back."""
+    from sglang_cp.l3.blob import write_extent
+    s = make_store(capacity_gb=8.5 * write_extent(P) / 1e9, gc={"high_watermark": 1.0, "low_watermark": 0.5})
+    assert all(s.write_pages("kv", keys(8), [page(i) for i in range(8)]))
+    assert s.stats()["occupancy"]["kv"] == {"used": 8, "total": 8, "durable": 8}
+    held, gate = threading.Event(), threading.Event()
+    real = s.state.index.commit
+
+    def commit(puts=(), deletes=(), touches=()):
+        deletes = list(deletes)
+        if deletes and not held.is_set():  # the device holds up the reclaim's index txn
+            held.set()
+            gate.wait(WAIT_S)
+        return real(puts=puts, deletes=deletes, touches=touches)
+    s.state.index.commit = commit
+    try:
+        s.submit_write("kv", keys(4, b"n"), [page(100 + i) for i in range(4)])
+        assert held.wait(WAIT_S), "no forced reclaim reached the index"
+        done, _ = within(lambda: s.close(timeout=BOUND), BOUND * SLACK)
+        assert done, "close() did not return within its bound"
+    finally:
+        gate.set()
+    wait_for(lambda: not s._writer.is_alive(), "the write thread exiting once its txn returned")
+    st = s.stats()
+    assert st["occupancy"]["kv"]["used"] == st["occupancy"]["kv"]["durable"] == 4, st["occupancy"]
+    assert st["inflight"]["staging_pages"] == 0, st["inflight"]

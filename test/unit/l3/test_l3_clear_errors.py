@@ -24,7 +24,7 @@ def test_failed_clear_is_counted_and_the_store_keeps_its_pages(make_store, monke
     def broken(rank):
         raise IndexUnavailable("mdb_del: Input/output error")
 
-    monkeypatch.setattr(s._index, "delete_rank", broken)
+    monkeypatch.setattr(s.state.index, "delete_rank", broken)
     assert s.clear() is False
     assert s.stats()["counters"]["clear_errors"] == 1
     # Nothing was freed: every page is still there, byte for byte, and the store takes new writes.

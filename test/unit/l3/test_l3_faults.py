@@ -120,7 +120,7 @@ def test_mapfull_grows_within_max(make_store):
 def test_invariant_violation_is_loud(make_store):
     s = make_store()
     assert all(s.write_pages("kv", keys(2), [page(0), page(1)]))
-    pool = s._pools["kv"]
+    pool = s.state.pools["kv"]
     from sglang_cp.l3.errors import L3InvariantError
     with pytest.raises(L3InvariantError, match="overruns"):
         pool.slab.write_slot(pool.slab.num_slots, [memoryview(bytearray(pool.extent))])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from l3_helpers import each_reference, page
-from sglang_cp.l3 import gc as l3gc
-from sglang_cp.l3.gc import HeldDigests
+from sglang_cp.l3 import held as l3held
+from sglang_cp.l3.held import HeldDigests
 
 P = 4096
 
@@ -73,7 +73,7 @@ def test_the_table_answers_what_the_dict_answers_through_puts_discards_and_rebui
 
 
 def test_a_chain_longer_than_the_probe_bound_is_answered_by_the_dict(monkeypatch):
-    monkeypatch.setattr(l3gc, "_MAX_PROBES", 8)
+    monkeypatch.setattr(l3held, "_MAX_PROBES", 8)
     rng = random.Random(3)
     h = HeldDigests()
     h.rebuild_table()
@@ -105,7 +105,7 @@ def test_a_digest_of_another_length_is_an_invariant_error():
 def test_hit_query_chunks_on_the_table_match_a_per_key_reference(make_store):
     """4,100 keys: the chunks of 1,024 and 2,048 keys are looked up in the table, the others in the dict."""
     s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.12)
-    assert s._held._table is not None, "cold start did not build the table"
+    assert s.state.held.has_table, "cold start did not build the table"
     n = 4100
     ks = [b"tb/%d" % i for i in range(n)]
     for p in ("kv", "ix"):
@@ -126,7 +126,7 @@ def test_hit_query_chunks_on_the_table_match_a_per_key_reference(make_store):
     # A restart seeds the LRU from the index (no per-key puts) and builds the table once.
     s.close()
     s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.12, cold_start="load")
-    assert s._held._table is not None, "cold start 'load' did not build the table"
+    assert s.state.held.has_table, "cold start 'load' did not build the table"
     both = [a and b for a, b in zip(has["kv"], has["ix"])]
     assert s.exists_prefix_multi(["kv", "ix"], ks) == both.index(False)
     assert s.exists_each(["kv", "ix"], ks, classes=8) == each_reference(both, 8)

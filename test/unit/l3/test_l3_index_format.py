@@ -119,7 +119,7 @@ def test_cold_start_keeps_other_ranks_entries(l3_root):
     assert s.stats()["cold_start"]["live"] == 12 and s.exists_prefix_multi(["kv", "ix"], ks) == 6
     s.close()
     s = L3Store(cfg, rank=0, ranks_per_node=2, payloads={"kv": P, "ix": P}, cold_start="clear")
-    assert s.stats()["cold_start"]["index_entries_wiped"] == 12 and s._index.count() == 12  # rank 1's
+    assert s.stats()["cold_start"]["index_entries_wiped"] == 12 and s.state.index.count() == 12  # rank 1's
     s.close()
     s = L3Store(cfg, rank=1, ranks_per_node=2, payloads={"kv": P, "ix": P}, cold_start="load")
     assert s.exists_prefix_multi(["kv", "ix"], ks) == 6  # rank 0's clear left rank 1 whole
@@ -222,17 +222,17 @@ def test_a_page_being_dropped_is_a_miss_even_in_a_fully_held_chunk(make_store):
     ks = [b"dr/%d" % i for i in range(200)]
     for p in ("kv", "ix"):
         assert all(s.write_pages(p, ks, [page(0, P)] * len(ks)))
-    ikey = index_key(s._pools["ix"].tag, key_digest(s.rank, ks[100]), s.rank)
-    with s._lock:
-        s._dropping.add(ikey)  # what _bad_page does before the write thread's release
+    ikey = index_key(s.state.pools["ix"].tag, key_digest(s.rank, ks[100]), s.rank)
+    with s.state.lock:
+        s.state.dropping.add(ikey)  # what _bad_page does before the write thread's release
     try:
         assert s.exists_prefix_multi(["kv", "ix"], ks) == 100
         assert s.exists_prefix("ix", ks) == 100
         assert s.exists_prefix("kv", ks) == 200  # another payload of the key is not being dropped
         assert s.exists_each(["kv", "ix"], ks, classes=4) == each_reference([i != 100 for i in range(200)], 4)
     finally:
-        with s._lock:
-            s._dropping.discard(ikey)
+        with s.state.lock:
+            s.state.dropping.discard(ikey)
     assert s.exists_prefix_multi(["kv", "ix"], ks) == 200
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from l3_helpers import config_doc, page
 from sglang_cp.l3 import L3Store, parse_l3_config
-from sglang_cp.l3 import store as store_mod
+from sglang_cp.l3 import opening
 
 P = 16384
 
@@ -33,7 +33,7 @@ def test_failed_staging_allocation_wipes_nothing_and_leaks_no_fd(l3_root, monkey
         raise MemoryError("staging: cannot allocate")
 
     before = _fds()
-    monkeypatch.setattr(store_mod, "Staging", no_memory)
+    monkeypatch.setattr(opening, "Staging", no_memory)
     with pytest.raises(MemoryError):
         L3Store(cfg, rank=0, ranks_per_node=1, payloads={"kv": P}, cold_start="clear")
     monkeypatch.undo()

@@ -115,7 +115,7 @@ def test_other_ranks_and_other_namespaces_open_side_by_side(l3_root):
         ns = parse_l3_config(config_doc(l3_root, namespace="server-b"))
         with L3Store(ns, rank=0, ranks_per_node=1, payloads={"kv": P}) as b:
             assert all(b.write_pages("kv", [b"b%d" % i for i in range(N)], [page(1000 + i) for i in range(N)]))
-            assert os.path.dirname(b._pools["kv"].slab.path).endswith(os.path.join("sglang-cp-l3", "ns-server-b"))
+            assert os.path.dirname(b.state.pools["kv"].slab.path).endswith(os.path.join("sglang-cp-l3", "ns-server-b"))
         assert _reread(a) == N
     finally:
         _stop(a)

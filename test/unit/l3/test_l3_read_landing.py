@@ -39,7 +39,7 @@ def keys(n, prefix=b"l"):
 
 def record_landing(store):
     """Wrap the slab's read calls: the address each preadv lands at, in call order."""
-    slab = store._pools["kv"].slab
+    slab = store.state.pools["kv"].slab
     seen = []
     for name in ("read_slot", "read_slots"):
         orig = getattr(slab, name)
@@ -81,7 +81,7 @@ def test_a_stuck_read_keeps_its_landing_area(make_store, monkeypatch):
 def test_landing_areas_are_whole_huge_pages_where_thp_allows(make_store):
     mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     s = make_store(payloads={"kv": 1 << 20}, capacity_gb=0.05, io={"threads": 2, "max_inflight_pages": 16})
-    areas = s._landing_free["kv"]
+    areas = s.reads.landing_areas("kv")
     assert len(areas) == 4  # two per I/O thread: one in a preadv, one being copied out
     for a in areas:
         addr = address_of(a)

@@ -37,18 +37,18 @@ def test_load_restores_pages_lru_and_never_reuses_live_slots(make_store):
     try:
         assert t.stats()["cold_start"]["live"] == 30
         # The persisted touches come back: the 5 touched pages are the warmest after the restart.
-        pool = t._pools["kv"]
+        pool = t.state.pools["kv"]
         warmest = {k for k, _ in pool.lru.coldest(30)[-5:]}
         assert warmest == {index_key(pool.tag, key_digest(0, k), 0) for k in ks[:5]}
         ok, o = read_all(t, ks)
         assert all(ok) and all(bytes(o[i]) == page(i) for i in range(30))
-        live_slots = {e.slot for _, e in t._pools["kv"].lru.coldest(1000)}
+        live_slots = {e.slot for _, e in t.state.pools["kv"].lru.coldest(1000)}
         assert len(live_slots) == 30
         # New writes after a load must land in free slots only.
         assert all(t.write_pages("kv", keys(30, b"new"), [page(100 + i) for i in range(30)]))
         ok, o = read_all(t, ks)
         assert all(ok) and all(bytes(o[i]) == page(i) for i in range(30)), "a live blob was clobbered"
-        new_slots = {e.slot for k, e in t._pools["kv"].lru.coldest(1000)} - live_slots
+        new_slots = {e.slot for k, e in t.state.pools["kv"].lru.coldest(1000)} - live_slots
         assert len(new_slots) == 30
     finally:
         t.close()
@@ -112,7 +112,7 @@ def test_entries_outside_the_slab_are_dropped_on_load(make_store):
         new_total = t.stats()["occupancy"]["kv"]["total"]
         assert new_total < 200 and cs["live"] <= new_total
         assert cs["live"] + cs["dropped"] == 200 and cs["drop_reasons"].get("geometry", 0) > 0
-        assert all(e.slot < new_total for _, e in t._index.scan_rank(0))
+        assert all(e.slot < new_total for _, e in t.state.index.scan_rank(0))
     finally:
         t.close()
 

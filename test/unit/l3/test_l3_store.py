@@ -219,14 +219,14 @@ def test_gc_bounded_work_per_iteration(make_store):
     cap = 100 * write_extent(P) / 1e9
     s = make_store(capacity_gb=cap, gc={"max_reclaim_per_iter": 3})
     batches = []
-    real = s._index.commit
+    real = s.state.index.commit
 
     def commit(puts=(), deletes=(), touches=()):
         deletes = list(deletes)
         if deletes:
             batches.append(len(deletes))
         return real(puts=puts, deletes=deletes, touches=touches)
-    s._index.commit = commit
+    s.state.index.commit = commit
     for lo in range(0, 95, 5):
         assert all(s.write_pages("kv", keys(5, b"g%d-" % lo), [page(lo + i) for i in range(5)]))
     for _ in range(10):  # a few more write-thread iterations let GC finish its hysteresis
@@ -289,22 +289,22 @@ def test_capacity_split_across_ranks_and_payloads(make_store):
     # ranks 0, 2, 4 map to d0 and 1, 3 to d1 by default: rank 1 shares d1 with one other rank.
     occ = s.stats()["occupancy"]
     assert occ["kv"]["total"] == occ["ix"]["total"] == int(cap * 1e9 // 2) // (ex_kv + ex_ix)
-    assert os.path.dirname(s._pools["kv"].slab.path).startswith(os.path.join(make_store.root, "d1"))
+    assert os.path.dirname(s.state.pools["kv"].slab.path).startswith(os.path.join(make_store.root, "d1"))
     t = make_store(payloads={"kv": P, "ix": 4096}, rank=2, ranks_per_node=5, capacity_gb=cap, two_disks=True)
     assert t.stats()["occupancy"]["kv"]["total"] == 10
-    assert os.path.getsize(t._pools["ix"].slab.path) == 10 * ex_ix
+    assert os.path.getsize(t.state.pools["ix"].slab.path) == 10 * ex_ix
 
 
 def test_rank_to_disk_mapping(make_store):
     s = make_store(two_disks=True, rank_to_disk={"0": "d1"})
-    assert "/d1/" in s._pools["kv"].slab.path
+    assert "/d1/" in s.state.pools["kv"].slab.path
 
 
 def test_read_timeout_never_writes_into_outs_afterwards(make_store):
     gate = threading.Event()
     s = make_store()
     assert all(s.write_pages("kv", keys(3), [page(i) for i in range(3)]))
-    s._pools["kv"].slab.fault_injector = lambda op, slab, slot: gate.wait(30) if op == "read" else None
+    s.state.pools["kv"].slab.fault_injector = lambda op, slab, slot: gate.wait(30) if op == "read" else None
     o = outs(3)
     res = s.read_pages("kv", keys(3), o, timeout=0.05)
     # Reads land in store memory; only pages verified and copied before the return reach `o`.

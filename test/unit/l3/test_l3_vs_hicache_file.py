@@ -27,14 +27,14 @@ def test_durable_means_data_synced_before_index_commit(make_store):
     def record(op, slab, slot):
         log.append((op, slot))
     s = make_store(fault_injector=record)
-    real_commit = s._index.commit
+    real_commit = s.state.index.commit
 
     def commit(puts=(), deletes=(), touches=()):
         puts = list(puts)
         out = real_commit(puts=puts, deletes=deletes, touches=touches)
         log.append(("commit", [e.slot for _, e in puts]))
         return out
-    s._index.commit = commit
+    s.state.index.commit = commit
     for b in range(4):
         assert all(s.write_pages("kv", keys(40, b"b%d-" % b), [page(i) for i in range(40)]))
     committed = 0

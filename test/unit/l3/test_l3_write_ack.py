@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from l3_helpers import WAIT_S, config_doc, page, wait_for
+from l3_helpers import WAIT_S, config_doc, index_rows, page, wait_for
 from sglang_cp.l3 import L3ConfigError, parse_l3_config
 from sglang_cp.l3.blob import key_digest, key_digester, key_digests
 
@@ -56,13 +56,13 @@ def test_written_ack_returns_before_the_commit_and_reads_its_own_writes(make_sto
     inj, gate, syncs = held_sync()
     returned = threading.Event()
     if commit_starts == "after_the_return":
-        from sglang_cp.l3 import writer
-        commit_group = writer.WriteThread._commit_group
+        from sglang_cp.l3 import commit
+        commit_group = commit.GroupCommitter.commit_group
 
         def held_commit(self, group, touches):
             assert returned.wait(30), "write_pages never returned"
             return commit_group(self, group, touches)
-        monkeypatch.setattr(writer.WriteThread, "_commit_group", held_commit)
+        monkeypatch.setattr(commit.GroupCommitter, "commit_group", held_commit)
     s = make_store(durability={"backup_ack": "written"}, fault_injector=inj)
     try:
         _written_ack_reads_its_own_writes(s, gate, syncs, returned)
@@ -80,7 +80,7 @@ def _written_ack_reads_its_own_writes(s, gate, syncs, returned):
     returned.set()
     assert syncs.arrived.wait(WAIT_S), "no group commit reached fdatasync"
     # ... the index does not have the pages yet (durability is still the commit's) ...
-    assert s._index.exists_prefix(s._exists_rows(["kv"], ks)) == 0
+    assert s.state.index.exists_prefix(index_rows(s, ["kv"], ks)) == 0
     # ... and this process sees and reads them (read-your-writes).
     assert s.exists_prefix("kv", ks) == 12
     assert s.exists_each(["kv"], ks) == [True] * 12
@@ -91,7 +91,7 @@ def _written_ack_reads_its_own_writes(s, gate, syncs, returned):
     assert s.write_pages("kv", ks[:3], [page(i) for i in range(3)]) == [True] * 3
     gate.set()
     wait_for(lambda: s.stats()["occupancy"]["kv"]["durable"] == 12, "the 12 pages' group commit landing")
-    assert s._index.count() == 12
+    assert s.state.index.count() == 12
 
 
 def test_durable_ack_default_waits_for_the_commit(make_store):

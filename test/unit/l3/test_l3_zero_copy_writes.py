@@ -75,7 +75,7 @@ def test_source_changed_after_timeout_is_never_served(make_store, monkeypatch):
     slow disk queue); upstream has reused the host page for other bytes meanwhile. CRC and data then
     agree on the new bytes: indexing the page would serve them under the old key."""
     s = make_store(io=dict(ZC, threads=2, max_inflight_pages=8))
-    pool = s._pools["kv"]
+    pool = s.state.pools["kv"]
     gate, entered = threading.Event(), threading.Event()
     seal = pool.seal_zero_copy
 
@@ -111,7 +111,7 @@ def test_hung_zero_copy_write_is_bounded_and_keeps_its_slot(make_store, stalls, 
     # reaches the device however slowly the pwrites go (a page still without a token at the caller's
     # bound is given up before any I/O, as on a loaded disk with 4 tokens).
     s = make_store(fault_injector=stall, io=dict(ZC, threads=2, max_inflight_pages=8))
-    pool = s._pools["kv"]
+    pool = s.state.pools["kv"]
     src = filled(1)
     stall.armed = True
     reached = {"n": 1}  # pwrites that must have reached the device before a caller's bound passes
