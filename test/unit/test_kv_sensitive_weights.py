@@ -24,7 +24,9 @@ hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 
 PROBE = ("import sglang.srt.model_loader.loader as L, sglang.srt.speculative.base_spec_worker as B; "
-         "print(L.initialize_dummy_weights.__qualname__, B.BaseSpecWorker._build_hicache_draft_plan.__name__)")
+         "import sglang_cp.integration.l3_storage_backend as S; "
+         "print(L.initialize_dummy_weights.__qualname__, B.BaseSpecWorker._build_hicache_draft_plan.__name__, "
+         "S.CpL3Storage._get.__qualname__)")
 
 
 def _probe(**env_extra) -> str:
@@ -36,11 +38,12 @@ def _probe(**env_extra) -> str:
 
 
 def test_hook_patches_upstream_only_when_asked():
-    assert _probe() == ["initialize_dummy_weights", "_build_hicache_draft_plan"]
+    assert _probe() == ["initialize_dummy_weights", "_build_hicache_draft_plan", "CpL3Storage._get"]
     assert _probe(SGLANG_CP_TEST_KV_SENSITIVE="1") == [
-        "_patch_loader.<locals>.initialize_dummy_weights", "_build_hicache_draft_plan"]
-    assert _probe(SGLANG_CP_TEST_KV_SENSITIVE="1", SGLANG_CP_TEST_DRAFT_HICACHE="off") == [
-        "_patch_loader.<locals>.initialize_dummy_weights", "no_draft_plan"]
+        "_patch_loader.<locals>.initialize_dummy_weights", "_build_hicache_draft_plan", "CpL3Storage._get"]
+    assert _probe(SGLANG_CP_TEST_KV_SENSITIVE="1", SGLANG_CP_TEST_DRAFT_HICACHE="off",
+                  SGLANG_CP_TEST_LOCKSTEP="off") == [
+        "_patch_loader.<locals>.initialize_dummy_weights", "no_draft_plan", "_patch_backend.<locals>._get"]
 
 
 H, Q_LORA, KV_LORA, ROPE, NOPE, V, HEADS, VOCAB = 256, 64, 128, 16, 32, 64, 4, 2000

@@ -28,6 +28,9 @@ weights from ``kv_b_proj``), identically for target layer 0 and the NextN draft'
 ``SGLANG_CP_TEST_DRAFT_HICACHE=off`` is the RED seam of the MTP test: upstream's HiCache draft
 plan is forced to "none", so the draft layer's KV is neither backed up nor restored with the
 target's (what the seeds warn "can silently reduce MTP accept length").
+``SGLANG_CP_TEST_LOCKSTEP=off`` is the RED seam of the indexer-damage test: our backend reports
+every indexer-K page read as good, so a page whose indexer blob failed its CRC would be served
+from its KV alone (with whatever the host pool's indexer rows held).
 
 Active only in processes started with ``SGLANG_CP_TEST_KV_SENSITIVE=1`` and this directory on
 ``PYTHONPATH`` (``server_support.dsa_env``).
@@ -42,6 +45,7 @@ import sys
 
 _LOADER = "sglang.srt.model_loader.loader"
 _SPEC = "sglang.srt.speculative.base_spec_worker"
+_BACKEND = "sglang_cp.integration.l3_storage_backend"
 GAIN = float(os.environ.get("SGLANG_CP_TEST_KV_GAIN", "3"))
 EMBED_RMS = 1e-3 / 3 ** 0.5  # RMS of U(-1e-3, 1e-3): the draft's pass-through keeps the embedding's scale
 VALUE_DIMS = 256
@@ -150,6 +154,19 @@ def _patch_spec(module) -> None:
     module.BaseSpecWorker._build_hicache_draft_plan = no_draft_plan
 
 
+def _patch_backend(module) -> None:
+    original = module.CpL3Storage._get
+
+    def _get(self, payload, keys, host_indices):
+        results = original(self, payload, keys, host_indices)
+        if payload == "indexer":
+            print("kv_sensitive: indexer reads reported good (RED seam)", file=sys.stderr, flush=True)
+            return [True] * len(results)
+        return results
+
+    module.CpL3Storage._get = _get
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def __init__(self, patches: dict):
         self.patches = patches
@@ -179,4 +196,6 @@ if os.environ.get("SGLANG_CP_TEST_KV_SENSITIVE") == "1":
     _patches = {_LOADER: _patch_loader}
     if os.environ.get("SGLANG_CP_TEST_DRAFT_HICACHE") == "off":
         _patches[_SPEC] = _patch_spec
+    if os.environ.get("SGLANG_CP_TEST_LOCKSTEP") == "off":
+        _patches[_BACKEND] = _patch_backend
     sys.meta_path.insert(0, _PatchOnImport(_patches))
