@@ -1,26 +1,48 @@
-"""The ``sglang-cp`` command: operator tools around the plugin.
-
-Subcommands:
-  doctor       can this machine run what was asked for (table; exit 1 on a blocker)
-  check-args   parse and validate a launch_server command line through SGLang's own
-               parser with the plugin loaded, without starting a server
-  demo         a local L3 config, doctor on it, and launch_server's parser accepting it
-               and rejecting a bad one
-  cachebench   the README's main job: CP ranks with upstream's HiCache and our L3
-               through warm-up, L2 pressure, reload and a full restart (table/JSON/PNG)
-  l3 stats     occupancy per rank/disk/payload of an L3 directory (no server needed)
-  l3 fsck      check (and --repair) slab headers against the index; exit 0/1/2/3
-"""
+"""The ``sglang-cp`` command: operator tools around the plugin (see ``COMMANDS`` for the list
+``--help`` prints)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import textwrap
+import warnings
 
 from sglang_cp.demo_config import DEMO_CONFIG, write_demo_config  # noqa: F401 (public here too)
 from sglang_cp.display import rel
+
+
+# What `sglang-cp --help` lists, one command per line (argparse's own listing is hidden: it would
+# repeat these, and could not show the two `l3` subcommands).
+DESCRIPTION = "Operator tools of the sglang-cp plugin (context-parallel tiered KV cache for SGLang 0.5.23)."
+COMMANDS = """\
+commands:
+  doctor       can this machine run what was asked for (table; exit 1 on a blocker)
+  check-args   parse and validate a launch_server command line through SGLang's own
+               parser with the plugin loaded, without starting a server (works on a
+               CPU box for a GPU command line)
+  demo         a local L3 config, doctor on it, and launch_server's parser accepting it
+               and rejecting a bad one
+  cachebench   the README's main job: CP ranks with upstream's HiCache and our L3
+               through warm-up, L2 pressure, reload and a full restart (table/JSON/PNG)
+  l3 stats     occupancy per rank/disk/payload of an L3 directory (no server needed)
+  l3 fsck      check (and --repair) slab headers against the index; exit 0/1/2/3
+
+Run 'sglang-cp COMMAND --help' for the options of one command."""
+
+# UserWarnings sglang 0.5.23 emits while importing its quantization modules on a machine without
+# CUDA: they say nothing about our tools' work. Matched by message and emitting module, so every
+# other warning (ours, sglang's elsewhere, a GPU box's) still shows.
+SGLANG_CPU_IMPORT_WARNINGS = (
+    (r"Only CUDA, HIP and XPU support AWQ currently", r"sglang\.srt\.layers\.quantization\.awq"),
+    (r"Only CUDA(, MUSA)? and (MUSA|NPU) support GGUF quantization currently",
+     r"sglang\.srt\.layers\.quantization\.gguf"),
+)
+
+
+def quiet_sglang_cpu_import_warnings() -> None:
+    for message, module in SGLANG_CPU_IMPORT_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
 
 
 def escape(text: str) -> str:
@@ -254,10 +276,11 @@ def _cmd_l3_fsck(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # The description is laid out by hand (one subcommand per line): keep its line breaks.
+    # The command list is laid out by hand (one command per line): keep its line breaks.
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="sglang-cp", description=textwrap.dedent(__doc__), formatter_class=raw)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="sglang-cp", usage="sglang-cp [-h] COMMAND ...", description=DESCRIPTION,
+                                epilog=COMMANDS, formatter_class=raw)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="sglang-cp")
 
     d = sub.add_parser("doctor", help="check this machine against what was asked for")
     d.add_argument("--cp-l3-config", default=None)
@@ -304,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from sglang_cp.display import quiet_repeated_plp_warnings
+
+    quiet_sglang_cpu_import_warnings()
+    quiet_repeated_plp_warnings()
     ns = build_parser().parse_args(argv)
     if getattr(ns, "launch_args", None) and ns.launch_args[0] == "--":
         ns.launch_args = ns.launch_args[1:]
