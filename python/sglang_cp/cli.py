@@ -67,31 +67,37 @@ def _cmd_doctor(ns) -> int:
 
 
 def parse_launch_args(argv: list[str]):
-    """Run SGLang's own parse + resolution on ``argv`` with our plugin loaded."""
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
+    """Run SGLang's own parse + resolution on ``argv`` with our plugin loaded (as check-args does)."""
+    from sglang_cp.check_args import parse_launch_args as parse
 
-    load_plugins()
-    server_args = prepare_server_args(argv)
-    server_args.resolve_once()
-    return server_args
+    return parse(argv)
 
 
 def _cmd_check_args(ns) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    from sglang_cp.args import FLAG_NAMES, CpArgsError
+    from sglang_cp.args import FLAG_NAMES
+    from sglang_cp.check_args import CheckArgsError, check_l3_where_it_will_run, first_line
+    from sglang_cp.check_args import parse_launch_args as parse
 
-    console = Console()
+    console = _wide_console()
+    notes: list[str] = []
     try:
-        server_args = parse_launch_args(ns.launch_args)
-        from sglang_cp.integration.l3_backend_select import check_no_live_owner
-
-        check_no_live_owner(server_args)  # a second server on a live L3 config would fail at open
-    except (CpArgsError, ValueError) as e:
-        console.print(f"[bold red]rejected[/]: {escape(str(e))}")
+        server_args = parse(ns.launch_args, notes)
+        check_l3_where_it_will_run(server_args)
+    except (CheckArgsError, ValueError) as e:  # CpArgsError, L3ConfigError and upstream's own ValueErrors
+        if getattr(ns, "traceback", False):
+            raise
+        console.print(f"[bold red]rejected[/]: {escape(first_line(e))}", soft_wrap=True)
         return 2
+    except Exception as e:  # upstream's resolution refusing the line another way (assert, RuntimeError)
+        if getattr(ns, "traceback", False):
+            raise
+        console.print(f"[bold red]rejected by SGLang[/] ({type(e).__name__}): {escape(first_line(e))} "
+                      "(--traceback shows where)", soft_wrap=True)
+        return 2
+    for note in notes:
+        console.print(escape(f"note: {note}"), soft_wrap=True)
     table = Table(title="launch_server arguments as SGLang parsed them (sglang-cp flags)")
     table.add_column("flag")
     table.add_column("value")
@@ -100,7 +106,7 @@ def _cmd_check_args(ns) -> int:
     from sglang.srt.arg_groups.overrides import resolved_view
 
     cfg = resolved_view(server_args)  # what the scheduler processes will see
-    for name in ("enable_hierarchical_cache", "hicache_storage_backend",
+    for name in ("device", "enable_hierarchical_cache", "hicache_storage_backend",
                  "hicache_storage_backend_extra_config"):
         table.add_row("--" + name.replace("_", "-") + " (upstream, resolved)", escape(repr(getattr(cfg, name))))
     console.print(table)
@@ -291,7 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cp-hicache-max-slab-gb", type=float, default=480.0)
     d.set_defaults(fn=_cmd_doctor)
 
-    c = sub.add_parser("check-args", help="parse a launch_server command line without serving")
+    c = sub.add_parser("check-args", help="parse a launch_server command line without serving",
+                       usage="sglang-cp check-args [--traceback] -- LAUNCH_SERVER_ARGS ...",
+                       description="Parse and resolve a launch_server / sglang serve command line through "
+                       "SGLang's own parser with the plugin loaded, without starting a server. Works on a "
+                       "machine without a GPU (no --device: checked as for --device cuda) and without network "
+                       "(the model's config.json must be local: a model directory, or the Hugging Face cache). "
+                       "Exit 0 accepted, 2 rejected (one line naming the argument and the fix).")
+    c.add_argument("--traceback", action="store_true", help="on a rejection, raise it with its traceback")
     c.add_argument("launch_args", nargs=argparse.REMAINDER)
     c.set_defaults(fn=_cmd_check_args)
 
