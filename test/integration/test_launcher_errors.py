@@ -105,3 +105,35 @@ def test_upstreams_yaml_config_may_be_overridden_on_the_command_line(tmp_path):
                         "--cp-l3-cold-start", "load"], capture_output=True, text=True, env=env, cwd=REPO,
                        timeout=240)
     assert "COLD load" in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def _sglang_serve(args):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("SGLANG_CP_DISABLE", None)
+    env.pop("SGLANG_PLUGINS", None)
+    model = os.path.join(REPO, "test", "gpu", "models", "tiny-dsv3")  # local: no hub lookup to pick a backend
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "sglang"), "serve", "--model-path", model,
+                           *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+
+
+def test_our_flags_parse_through_sglang_serve():
+    """Upstream's recommended entry point loads plugins before it parses: a value error and a
+    cross-flag check of ours come back as through launch_server, one line each."""
+    p = _sglang_serve(["--cp-l3-cold-start", "loadd"])
+    assert error_lines(p) == ["sglang serve: error: --cp-l3-cold-start must be one of clear, load, verify; "
+                              "got 'loadd'."], p.stderr[-3000:]
+    p = _sglang_serve(["--enable-cp-l3", "--cp-l3-config", "x.toml"])
+    assert p.returncode != 0 and "usage:" not in p.stderr
+    assert error_lines(p)[-1].startswith("sglang serve: error: --enable-cp-l3 needs --enable-hierarchical-cache")
+
+
+def test_sglang_serve_help_lists_no_plugin_flags_launch_server_help_does():
+    """What the README says: 0.5.23's `sglang serve --help` prints before plugins load."""
+    serve = _sglang_serve(["--help"])
+    assert serve.returncode == 0 and "--model-path" in serve.stdout and "--enable-cp-l3" not in serve.stdout
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("SGLANG_CP_DISABLE", None)
+    p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=240)
+    assert p.returncode == 0 and "sglang-cp (context-parallel tiered KV cache)" in p.stdout
+    assert "--cp-l3-cold-start {clear,load,verify}" in p.stdout
