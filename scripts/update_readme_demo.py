@@ -67,10 +67,11 @@ def run(cmd, env: dict, label: str) -> tuple[int, str, float]:
         out.append(line)
         sys.stderr.write(f"[{label} {time.monotonic() - t0:5.0f} s] {line}")
     rc = p.wait()
-    return rc, "".join(out), time.monotonic() - t0
+    # The tools print paths under the checkout as they found them: print them relative to it.
+    return rc, "".join(out).replace(REPO + os.sep, ""), time.monotonic() - t0
 
 
-def summary(command: str, output: str, rc: int) -> list[str]:
+def summary(command: str, output: str) -> list[str]:
     """Key lines of an operator tool's output: its warnings, then what it found."""
     lines = [x.rstrip() for x in output.splitlines()]
     keep = [x for x in lines if x.startswith(("L3:", "WARNING", "warning"))]
@@ -81,24 +82,24 @@ def summary(command: str, output: str, rc: int) -> list[str]:
     elif " doctor" in command:
         warn = sum(1 for x in lines if "│ WARN " in x)
         keep += [f"{x} ({warn} WARN row(s))" for x in lines if "blocking problem" in x]
-    return keep + [f"(exit {rc})"]
+    return keep
 
 
 def block(mach: dict, setup_s: float, fresh: bool, steps: list[tuple[str, str, int, float]]) -> str:
     total = sum(s[3] for s in steps)
     ram = f"{mach['ram_gib']:.0f} GiB RAM" if mach["ram_gib"] else "RAM unknown"
-    how = "from nothing (`bash scripts/setup_env.sh` into an empty venv)" if fresh else "(`.venv` already set up)"
-    head = (f"Generated {datetime.date.today().isoformat()} by `python scripts/update_readme_demo.py"
-            f"{' --fresh' if fresh else ''}` on {mach['cpu']}, {mach['cores']} cores, {ram}, load average "
-            f"{mach['load']:.1f} at the start: setup {how} took **{setup_s:.0f} s**, `make demo`'s "
-            f"{len(steps)} commands **{total:.0f} s** ({steps[0][0].split()[1]} {steps[0][3]:.0f} s).")
+    how = "from nothing" if fresh else "with `.venv` already there"
+    head = (f"Generated {datetime.date.today().isoformat()} by `scripts/update_readme_demo.py"
+            f"{' --fresh' if fresh else ''}` on {mach['cpu']}, {mach['cores']} cores, {ram} (load average "
+            f"{mach['load']:.1f}): setup {how} **{setup_s:.0f} s**, `make demo`'s {len(steps)} commands "
+            f"**{total:.0f} s** ({steps[0][0].split()[1]} {steps[0][3]:.0f} s), each exit 0.")
     body = ["$ make demo"]
-    for i, (cmd, out, rc, secs) in enumerate(steps):
+    for i, (cmd, out, _, _) in enumerate(steps):
         body.append(cmd)
         if i == 0:
             body += [x.rstrip() for x in out.splitlines()]
         else:
-            body += summary(cmd, out, rc)
+            body += summary(cmd, out)
     return "\n".join([BEGIN, head, "", "```", *body, "```", END])
 
 
