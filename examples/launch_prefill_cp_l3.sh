@@ -10,7 +10,7 @@
 # how many 2 MiB hugepages the host pools need; exit 1 on a blocker):
 #   sglang-cp doctor --cp-l3-config "$L3_CONFIG" --enable-cp-shared-physical-l2-hicache --hicache-size 100
 # --hicache-size is GB (1e9 B) per rank: 8 ranks x 100 GB of KV host pool is about
-# 8 x 100e9 / 2 MiB = 381,470 hugepages plus the DSA indexer pool (README "Sizing").
+# 8 x 100e9 / 2 MiB = 381,470 hugepages plus the DSA indexer pool (docs/sizing.md).
 set -euo pipefail
 MODEL=${MODEL:-/models/GLM-5}
 L3_CONFIG=${L3_CONFIG:-examples/l3.single-nvme.toml}

@@ -148,6 +148,37 @@ def install_error_hook() -> None:
     sys.excepthook = hook
 
 
+class _CpValue(argparse.Action):
+    """Store one of our valued flags, reporting a bad value or a second, different value as a
+    CpArgsError (one line naming the flag and the fix) instead of argparse's error, which prints
+    SGLang's whole usage (some 480 lines) before the message. ``--help`` is unchanged: ``choices``
+    become the metavar."""
+
+    def __init__(self, option_strings, dest, convert=str, choices=None, **kw):
+        self.convert, self.allowed = convert, tuple(choices) if choices else None
+        if self.allowed and "metavar" not in kw:
+            kw["metavar"] = "{" + ",".join(self.allowed) + "}"
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        flag = self.option_strings[0]
+        if self.allowed and values not in self.allowed:
+            raise CpArgsError(f"{flag} must be one of {', '.join(self.allowed)}; got {values!r}.")
+        try:
+            value = self.convert(values)
+        except ValueError:
+            raise CpArgsError(f"{flag}: {values!r} is not a number; give it in {self.metavar}, "
+                              f"e.g. {flag} {self.default}.") from None
+        given = namespace.__dict__.setdefault("_sglang_cp_given", {})
+        # Upstream's --config merges a YAML file's values in front of the command line's, which
+        # then override them: a flag may come twice there by design.
+        if self.dest in given and given[self.dest] != value and "--config" not in sys.argv:
+            raise CpArgsError(f"{flag} is given twice ({given[self.dest]!r}, then {value!r}): "
+                              f"give it once, with the value you mean.")
+        given[self.dest] = value
+        setattr(namespace, self.dest, value)
+
+
 def add_cli_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add our flags to ``parser`` as one argument group; a second call is a no-op."""
     for action in parser._actions:
@@ -155,6 +186,9 @@ def add_cli_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
             return None
     group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
     for flag, kwargs in _ARGS:
+        kwargs = dict(kwargs)
+        if kwargs.get("action") is None:  # a valued flag: ours reports its errors (_CpValue)
+            kwargs.update(action=_CpValue, convert=kwargs.pop("type", str))
         group.add_argument(flag, **kwargs)
     return group
 

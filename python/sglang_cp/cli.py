@@ -1,26 +1,48 @@
-"""The ``sglang-cp`` command: operator tools around the plugin.
-
-Subcommands:
-  doctor       can this machine run what was asked for (table; exit 1 on a blocker)
-  check-args   parse and validate a launch_server command line through SGLang's own
-               parser with the plugin loaded, without starting a server
-  demo         a local L3 config, doctor on it, and launch_server's parser accepting it
-               and rejecting a bad one
-  cachebench   the README's main job: CP ranks with upstream's HiCache and our L3
-               through warm-up, L2 pressure, reload and a full restart (table/JSON/PNG)
-  l3 stats     occupancy per rank/disk/payload of an L3 directory (no server needed)
-  l3 fsck      check (and --repair) slab headers against the index; exit 0/1/2/3
-"""
+"""The ``sglang-cp`` command: operator tools around the plugin (see ``COMMANDS`` for the list
+``--help`` prints)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import textwrap
+import warnings
 
 from sglang_cp.demo_config import DEMO_CONFIG, write_demo_config  # noqa: F401 (public here too)
 from sglang_cp.display import rel
+
+
+# What `sglang-cp --help` lists, one command per line (argparse's own listing is hidden: it would
+# repeat these, and could not show the two `l3` subcommands).
+DESCRIPTION = "Operator tools of the sglang-cp plugin (context-parallel tiered KV cache for SGLang 0.5.23)."
+COMMANDS = """\
+commands:
+  doctor       can this machine run what was asked for (table; exit 1 on a blocker)
+  check-args   parse and validate a launch_server command line through SGLang's own
+               parser with the plugin loaded, without starting a server (works on a
+               CPU box for a GPU command line)
+  demo         a local L3 config, doctor on it, and launch_server's parser accepting it
+               and rejecting a bad one
+  cachebench   the README's main job: CP ranks with upstream's HiCache and our L3
+               through warm-up, L2 pressure, reload and a full restart (table/JSON/PNG)
+  l3 stats     occupancy per rank/disk/payload of an L3 directory (no server needed)
+  l3 fsck      check (and --repair) slab headers against the index; exit 0/1/2/3
+
+Run 'sglang-cp COMMAND --help' for the options of one command."""
+
+# UserWarnings sglang 0.5.23 emits while importing its quantization modules on a machine without
+# CUDA: they say nothing about our tools' work. Matched by message and emitting module, so every
+# other warning (ours, sglang's elsewhere, a GPU box's) still shows.
+SGLANG_CPU_IMPORT_WARNINGS = (
+    (r"Only CUDA, HIP and XPU support AWQ currently", r"sglang\.srt\.layers\.quantization\.awq"),
+    (r"Only CUDA(, MUSA)? and (MUSA|NPU) support GGUF quantization currently",
+     r"sglang\.srt\.layers\.quantization\.gguf"),
+)
+
+
+def quiet_sglang_cpu_import_warnings() -> None:
+    for message, module in SGLANG_CPU_IMPORT_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
 
 
 def escape(text: str) -> str:
@@ -45,31 +67,37 @@ def _cmd_doctor(ns) -> int:
 
 
 def parse_launch_args(argv: list[str]):
-    """Run SGLang's own parse + resolution on ``argv`` with our plugin loaded."""
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
+    """Run SGLang's own parse + resolution on ``argv`` with our plugin loaded (as check-args does)."""
+    from sglang_cp.check_args import parse_launch_args as parse
 
-    load_plugins()
-    server_args = prepare_server_args(argv)
-    server_args.resolve_once()
-    return server_args
+    return parse(argv)
 
 
 def _cmd_check_args(ns) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    from sglang_cp.args import FLAG_NAMES, CpArgsError
+    from sglang_cp.args import FLAG_NAMES
+    from sglang_cp.check_args import CheckArgsError, check_l3_where_it_will_run, first_line
+    from sglang_cp.check_args import parse_launch_args as parse
 
-    console = Console()
+    console = _wide_console()
+    notes: list[str] = []
     try:
-        server_args = parse_launch_args(ns.launch_args)
-        from sglang_cp.integration.l3_backend_select import check_no_live_owner
-
-        check_no_live_owner(server_args)  # a second server on a live L3 config would fail at open
-    except (CpArgsError, ValueError) as e:
-        console.print(f"[bold red]rejected[/]: {escape(str(e))}")
+        server_args = parse(ns.launch_args, notes)
+        check_l3_where_it_will_run(server_args)
+    except (CheckArgsError, ValueError) as e:  # CpArgsError, L3ConfigError and upstream's own ValueErrors
+        if getattr(ns, "traceback", False):
+            raise
+        console.print(f"[bold red]rejected[/]: {escape(first_line(e))}", soft_wrap=True)
         return 2
+    except Exception as e:  # upstream's resolution refusing the line another way (assert, RuntimeError)
+        if getattr(ns, "traceback", False):
+            raise
+        console.print(f"[bold red]rejected by SGLang[/] ({type(e).__name__}): {escape(first_line(e))} "
+                      "(--traceback shows where)", soft_wrap=True)
+        return 2
+    for note in notes:
+        console.print(escape(f"note: {note}"), soft_wrap=True)
     table = Table(title="launch_server arguments as SGLang parsed them (sglang-cp flags)")
     table.add_column("flag")
     table.add_column("value")
@@ -78,7 +106,7 @@ def _cmd_check_args(ns) -> int:
     from sglang.srt.arg_groups.overrides import resolved_view
 
     cfg = resolved_view(server_args)  # what the scheduler processes will see
-    for name in ("enable_hierarchical_cache", "hicache_storage_backend",
+    for name in ("device", "enable_hierarchical_cache", "hicache_storage_backend",
                  "hicache_storage_backend_extra_config"):
         table.add_row("--" + name.replace("_", "-") + " (upstream, resolved)", escape(repr(getattr(cfg, name))))
     console.print(table)
@@ -254,10 +282,11 @@ def _cmd_l3_fsck(ns) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # The description is laid out by hand (one subcommand per line): keep its line breaks.
+    # The command list is laid out by hand (one command per line): keep its line breaks.
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="sglang-cp", description=textwrap.dedent(__doc__), formatter_class=raw)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = argparse.ArgumentParser(prog="sglang-cp", usage="sglang-cp [-h] COMMAND ...", description=DESCRIPTION,
+                                epilog=COMMANDS, formatter_class=raw)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="sglang-cp")
 
     d = sub.add_parser("doctor", help="check this machine against what was asked for")
     d.add_argument("--cp-l3-config", default=None)
@@ -268,7 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cp-hicache-max-slab-gb", type=float, default=480.0)
     d.set_defaults(fn=_cmd_doctor)
 
-    c = sub.add_parser("check-args", help="parse a launch_server command line without serving")
+    c = sub.add_parser("check-args", help="parse a launch_server command line without serving",
+                       usage="sglang-cp check-args [--traceback] -- LAUNCH_SERVER_ARGS ...",
+                       description="Parse and resolve a launch_server / sglang serve command line through "
+                       "SGLang's own parser with the plugin loaded, without starting a server. Works on a "
+                       "machine without a GPU (no --device: checked as for --device cuda) and without network "
+                       "(the model's config.json must be local: a model directory, or the Hugging Face cache). "
+                       "Exit 0 accepted, 2 rejected (one line naming the argument and the fix).")
+    c.add_argument("--traceback", action="store_true", help="on a rejection, raise it with its traceback")
     c.add_argument("launch_args", nargs=argparse.REMAINDER)
     c.set_defaults(fn=_cmd_check_args)
 
@@ -304,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from sglang_cp.display import quiet_repeated_plp_warnings
+
+    quiet_sglang_cpu_import_warnings()
+    quiet_repeated_plp_warnings()
     ns = build_parser().parse_args(argv)
     if getattr(ns, "launch_args", None) and ns.launch_args[0] == "--":
         ns.launch_args = ns.launch_args[1:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 DEMO_CONFIG = """\
-# sglang-cp L3 config written by `sglang-cp demo`: one local directory as the "disk".
+# sglang-cp L3 config written by {writer}: one local directory as the "disk".
 [index]
 dir = "{root}/index"
 map_size_gb = 0.25
@@ -28,16 +28,17 @@ capacity_gb = {capacity_gb}
 """
 
 
-def write_demo_config(root: str, capacity_gb: float = 1.0, backup_ack: str | None = None) -> str:
+def write_demo_config(root: str, capacity_gb: float = 1.0, backup_ack: str | None = None,
+                      writer: str = "`sglang-cp demo`") -> str:
     """The embedded default L3 config under ``root`` (slabs are preallocated to capacity_gb), written
     0600 like every file of ours; ``backup_ack`` sets ``durability.backup_ack`` (default: the
-    config's own default, "durable")."""
+    config's own default, "durable"); ``writer`` is what its header says wrote it."""
     from sglang_cp.l3.files import open_private, private_dirs
 
     root = os.path.abspath(root)
     for sub in ("index", "disk0"):
         private_dirs(os.path.join(root, sub), "demo directory")
-    text = DEMO_CONFIG.format(root=root, capacity_gb=capacity_gb)
+    text = DEMO_CONFIG.format(root=root, capacity_gb=capacity_gb, writer=writer)
     if backup_ack is not None:
         text = text.replace("[durability]\n", f'[durability]\nbackup_ack = "{backup_ack}"\n', 1)
     path = os.path.join(root, "l3.toml")

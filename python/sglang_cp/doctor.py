@@ -11,6 +11,7 @@ import importlib.metadata as md
 import mmap
 import os
 import platform
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -36,21 +37,22 @@ def _version(dist: str) -> Optional[str]:
 
 
 def check_versions() -> Iterable[Row]:
+    from sglang_cp.plugin import SGLANG_PIN, installed_sglang_version, sglang_pin_problem
+
     yield Row("versions", "python", INFO, platform.python_version())
-    for dist, required in (("sglang", "0.5.23"), ("torch", None), ("sglang-cp", None)):
+    pin = sglang_pin_problem()
+    yield Row("versions", "sglang", FAIL if pin else OK, pin or installed_sglang_version())
+    fixes = {"torch": f'pip install "sglang=={SGLANG_PIN}" brings the torch it pins',
+             "sglang-cp": "pip install the sglang-cp checkout (or its wheel): the plugin's entry point comes with it"}
+    for dist, fix in fixes.items():
         v = _version(dist)
-        if v is None:
-            yield Row("versions", dist, FAIL, "not installed: run `bash scripts/setup_env.sh`")
-        elif required and v != required:
-            yield Row("versions", dist, FAIL, f"{v} installed; sglang-cp is pinned to {required}")
-        else:
-            yield Row("versions", dist, OK, v)
+        yield Row("versions", dist, OK if v else FAIL, v or f"not installed: {fix}")
 
 
 def check_plugin() -> Iterable[Row]:
     eps = [ep for ep in md.entry_points(group="sglang.srt.plugins") if ep.name == "sglang_cp"]
     if not eps:
-        yield Row("plugin", "entry point", FAIL, "sglang.srt.plugins:sglang_cp not found; `pip install -e .`")
+        yield Row("plugin", "entry point", FAIL, "sglang.srt.plugins:sglang_cp not found: in the sglang-cp checkout run `pip install .`")
     else:
         yield Row("plugin", "entry point", OK, eps[0].value)
     if os.environ.get("SGLANG_CP_DISABLE"):
@@ -150,27 +152,56 @@ def check_l3_config(path: str) -> Iterable[Row]:
     for disk in cfg.disks:
         ok, detail = probe_odirect(disk.path)
         yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
-        st = os.statvfs(disk.path)
-        free = st.f_bavail * st.f_frsize
-        need = int(disk.capacity_bytes)
-        reusable, stale = _slab_space(cfg.slab_dir(disk.path))
-        have = free + min(reusable, need)  # the store reopens its slabs in place, never beyond capacity
-        status = OK if have >= need else FAIL
-        fix = "" if status == OK else "; lower capacity_gb or free space"
-        reuse = f" + {min(reusable, need) / 1e9:.1f} GB in slabs the store reopens" if reusable else ""
-        yield Row(
-            "l3 disk",
-            f"{disk.name}: space",
-            status,
-            f"capacity {need / 1e9:g} GB; {free / 1e9:.1f} GB free{reuse}{fix}",
-        )
-        if stale:
-            total = sum(b for _, b, _ in stale)
+        space = disk_space(cfg, disk)
+        yield Row("l3 disk", f"{disk.name}: space", FAIL if space.short else OK,
+                  space.detail() + ("; lower capacity_gb or free space" if space.short else ""))
+        if space.stale:
+            total = sum(b for _, b, _ in space.stale)
             yield Row("l3 disk", f"{disk.name}: stale slabs", WARN,
-                      f"{len(stale)} file(s), {total / 1e9:.3f} GB the store will not reuse (not counted as free): "
-                      + "; ".join(f"{os.path.basename(p)} ({why})" for p, _, why in stale[:5])
-                      + ("; ..." if len(stale) > 5 else "") + ". With no server running, delete them to free the space")
+                      f"{len(space.stale)} file(s), {total / 1e9:.3f} GB the store will not reuse (not counted as "
+                      "free): " + "; ".join(f"{os.path.basename(p)} ({why})" for p, _, why in space.stale[:5])
+                      + ("; ..." if len(space.stale) > 5 else "")
+                      + ". With no server running, delete them to free the space")
         yield from _plp_rows(disk.name, disk.path, cfg.plp_policy)
+
+
+@dataclass
+class DiskSpace:
+    """Room for one ``[[disks]]`` entry's slab files: ``need`` bytes (its capacity_gb, shared by the
+    node's ranks on it) against what is free plus the slabs the store reopens in place."""
+
+    need: int
+    free: int
+    reusable: int  # bytes in slab files the store would reopen (counted up to ``need``, never beyond)
+    stale: list  # [(path, bytes, why)] of slab files it would not reuse (not counted as free)
+
+    @property
+    def short(self) -> bool:
+        return self.free + min(self.reusable, self.need) < self.need
+
+    def detail(self) -> str:
+        reuse = f" + {min(self.reusable, self.need) / 1e9:.1f} GB in slabs the store reopens" if self.reusable else ""
+        return f"capacity {self.need / 1e9:g} GB; {self.free / 1e9:.1f} GB free{reuse}"
+
+
+def disk_space(cfg, disk) -> DiskSpace:
+    """``disk``'s room as the store will find it at startup (it preallocates every slab file then):
+    shared by ``sglang-cp doctor`` and ``sglang-cp check-args``."""
+    st = os.statvfs(disk.path)
+    reusable, stale = _slab_space(cfg.slab_dir(disk.path))
+    return DiskSpace(need=int(disk.capacity_bytes), free=st.f_bavail * st.f_frsize, reusable=reusable, stale=stale)
+
+
+def space_problems(cfg) -> list[str]:
+    """One line per ``[[disks]]`` entry whose capacity_gb does not fit on its disk, naming the field."""
+    out = []
+    for i, disk in enumerate(cfg.disks):
+        space = disk_space(cfg, disk)
+        if space.short:
+            out.append(f"disks[{i}].capacity_gb = {disk.capacity_bytes / 1e9:g} does not fit on '{disk.path}': "
+                       f"{space.detail()}. The store preallocates its slab files at startup: lower "
+                       "capacity_gb or free space on that disk")
+    return out
 
 
 def _native_digest_row(index_dir: str, threads: int) -> Row:
@@ -334,20 +365,40 @@ def run_checks(cp_l3_config: Optional[str] = None, hugetlbfs_dir: Optional[str] 
     return rows
 
 
+# A command in a row's detail, as we write them: `echo N > /proc/sys/vm/nr_hugepages && mount ...`.
+COMMAND = re.compile(r"`([^`]+)`")
+
+
 def render(rows: list[Row], console=None) -> None:
+    """The rows as a table. Commands named in a detail are printed below it, numbered, one per
+    line and never wrapped, so they copy and paste whole; the table names them by number."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
+            console = Console(width=160)
+    commands: list[str] = []
+
+    def lift(detail: str) -> str:
+        def number(m):
+            if m.group(1) not in commands:
+                commands.append(m.group(1))
+            return f"command [{commands.index(m.group(1)) + 1}] below"
+        return COMMAND.sub(number, detail)
+
     table = Table(title="sglang-cp doctor", show_lines=False)
     for col in ("area", "item", "status", "detail"):
         table.add_column(col, overflow="fold")
     style = {OK: "green", INFO: "cyan", WARN: "yellow", FAIL: "bold red"}
     for r in rows:
         # Items and details carry user text: paths, TOML fields such as "[index]" or "disks[0]".
-        table.add_row(escape(r.area), escape(r.item), f"[{style[r.status]}]{r.status}[/]", escape(r.detail))
+        table.add_row(escape(r.area), escape(r.item), f"[{style[r.status]}]{r.status}[/]", escape(lift(r.detail)))
     console.print(table)
+    for n, cmd in enumerate(commands, 1):
+        console.print(f"[{n}] {cmd}", markup=False, highlight=False, soft_wrap=True)
     fails = sum(r.status == FAIL for r in rows)
     console.print(f"{fails} blocking problem(s)" if fails else "no blocking problems")
 

@@ -61,6 +61,7 @@ def test_tiny_trace_replay_through_all_phases(tmp_path, threshold):
                       "--raw-mb", "16", "--out-dir", str(out), "--prefetch-threshold", str(threshold))
     res = _check_result(str(out), proc)
     assert res["config"]["trace"] == str(trace) and res["config"]["sharded"]
+    assert open(out / "l3" / "l3.toml").readline().startswith("# sglang-cp L3 config written by `sglang-cp cachebench`")
     assert res["config"]["prefetch_threshold"] == threshold
     ph = res["phases"].values()
     skipped = sum(p["l3_declined_pages"] + p["l3_revoked_pages"] for p in ph)

@@ -1,7 +1,8 @@
-"""examples/launch_*.sh: the PD-disaggregated CP prefill (with --enable-cp-l3) and decode
-(without) command lines, each parsed and resolved by SGLang's own parser with our plugin
-(``sglang_cp.cli.parse_launch_args``) in a fresh process, with the L3 config validated by
-our loader. Only the model path (hub/local weights) and machine paths are substituted."""
+"""examples/launch_*.sh: the single-GPU line (README's minimal launch), the PD-disaggregated CP
+prefill (with --enable-cp-l3) and decode (without) command lines, each parsed and resolved by
+SGLang's own parser with our plugin (``sglang_cp.cli.parse_launch_args``, what check-args runs) in a
+fresh process, with the L3 config validated by our loader. Only the model path (hub/local weights)
+and machine paths are substituted; the single-GPU line gets a real MLA config.json (no weights)."""
 
 import json
 import os
@@ -22,6 +23,7 @@ def launch_argv(script: str, env: dict) -> list[str]:
     m = re.search(r"^exec python -m sglang\.launch_server((?:.*\\\n)*.*)$", text, re.M)
     assert m, f"{script}: no 'exec python -m sglang.launch_server' command"
     cmd = m.group(1).replace("\\\n", " ")
+    cmd = cmd.replace(' "$@"', "")  # what the caller appends
     used = set(re.findall(r"\$\{?([A-Z0-9_]+)", cmd))
     assert used <= set(env), f"{script}: unknown variables {used - set(env)}"
     for k, v in env.items():
@@ -92,7 +94,17 @@ def test_prefill_example_with_a_bad_l3_config_is_rejected_naming_the_field(disk_
     assert p.returncode != 0 and "gc.low_watermark" in p.stderr
 
 
-@pytest.mark.parametrize("script", ["launch_prefill_cp_l3.sh", "launch_decode.sh"])
+def test_single_gpu_example_resolves_on_this_cpu_box_as_for_a_gpu(disk_tmp):
+    cfg = _l3_config(disk_tmp)
+    model = os.path.join(REPO, "test", "gpu", "models", "tiny-dsv3")  # DeepseekV3 (MLA) config.json
+    r = _parse(launch_argv("launch_single_gpu_l3.sh", {"MODEL": model, "L3_CONFIG": cfg}))
+    assert r["enable_cp_l3"] and r["cp_l3_config"] == cfg and r["cp_l3_cold_start"] == "load"
+    assert r["enable_hierarchical_cache"] and r["hicache_storage_backend"] == "dynamic"
+    assert r["page_size"] == 64 and r["enable_metrics"] and r["tp_size"] == 1
+    assert not r["enable_prefill_cp"] and not r["enable_kv_cache_sharding"]
+
+
+@pytest.mark.parametrize("script", ["launch_single_gpu_l3.sh", "launch_prefill_cp_l3.sh", "launch_decode.sh"])
 def test_scripts_are_valid_bash(script):
     import subprocess
 

@@ -80,10 +80,50 @@ def test_validation_errors_name_flag_and_fix(argv, needle):
     assert "CpArgsError" in p.stdout and needle in p.stdout, p.stdout
 
 
-def test_bad_choice_is_rejected_by_sglangs_own_parser():
+def test_bad_choice_is_rejected_naming_the_choices_without_sglangs_usage():
     p = parse(["--model-path", "dummy", "--cp-l3-cold-start", "maybe"])
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "CpArgsError --cp-l3-cold-start must be one of clear, load, verify; got 'maybe'." in p.stdout
+    assert "usage:" not in p.stdout + p.stderr
+
+
+def test_the_sglang_pin_is_pyprojects():
+    import re
+
+    from conftest import REPO
+    from sglang_cp.plugin import SGLANG_PIN
+
+    deps = open(f"{REPO}/pyproject.toml").read()
+    assert re.findall(r'"sglang==([^"]+)"', deps) == [SGLANG_PIN]
+
+
+OTHER_SGLANG = textwrap.dedent(
+    """
+    import sglang.version
+    sglang.version.__version__ = "0.5.99"   # the real sglang, as another release would announce itself
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    import sglang_cp.plugin as plugin
+    print("STATUS", plugin.status())
+    from sglang.srt.server_args import prepare_server_args
+    a = prepare_server_args(["--model-path", "dummy"])   # a command line without our flags: upstream's
+    print("PLAIN OK", a.model_path)
+    prepare_server_args(["--model-path", "dummy", "--enable-cp-l3"])
+    """
+)
+
+
+def test_another_sglang_release_is_refused_naming_the_pin():
+    p = run_py(OTHER_SGLANG)
+    assert "'registered': False" in p.stdout and "pinned to sglang==0.5.23" in p.stdout, p.stdout + p.stderr
+    assert "PLAIN OK dummy" in p.stdout
     assert p.returncode == 2
-    assert "--cp-l3-cold-start" in p.stderr and "invalid choice" in p.stderr
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "usage:" not in p.stderr, p.stderr
+    assert errors[0].startswith("sglang serve: error: --enable-cp-l3: the sglang-cp plugin is installed but not "
+                                "loaded (sglang 0.5.99 is installed, but sglang-cp is pinned to sglang==0.5.23")
+    # the refusal is said once, at plugin load, even with no sglang-cp flag on the command line
+    assert "sglang-cp plugin not loaded, SGLang runs without it: sglang 0.5.99 is installed" in p.stderr
 
 
 def test_engine_path_validates_in_resolution():

@@ -36,3 +36,10 @@ def test_config_path_that_is_a_link_is_refused(tmp_path):
     with pytest.raises(L3StartupError, match="symbolic link"):
         write_demo_config(str(root), capacity_gb=0.05)
     assert (tmp_path / "elsewhere.toml").read_text() == "x"
+
+
+def test_the_header_says_what_wrote_it(tmp_path):
+    demo = open(write_demo_config(str(tmp_path / "a"), capacity_gb=0.05)).readline()
+    assert demo.startswith("# sglang-cp L3 config written by `sglang-cp demo`")
+    bench = open(write_demo_config(str(tmp_path / "b"), capacity_gb=0.05, writer="`sglang-cp cachebench`")).readline()
+    assert bench.startswith("# sglang-cp L3 config written by `sglang-cp cachebench`")

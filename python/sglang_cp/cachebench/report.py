@@ -145,7 +145,7 @@ def write_outputs(out_dir: str, result: dict, ranks: list[dict]) -> dict:
         json.dump(dict(result, ranks=[{"rank": r["rank"], "records": r["records"], "errors": r["errors"],
                                         "page_bytes": r["page_bytes"]} for r in ranks]), f, indent=1)
     png = os.path.join(out_dir, "cachebench.png")
-    plot(ranks, png)
+    plot(ranks, png, raw=result.get("raw_disk"))
     return {"json": js, "png": png}
 
 
@@ -172,7 +172,20 @@ def _serving_clock(recs: list[dict]) -> tuple[list[float], float]:
     return xs, gap
 
 
-def plot(ranks: list[dict], path: str, window: int = 8) -> None:
+def rolling_gbps(ranks: list[dict], idx: list[int], window: int, kind: str) -> list:
+    """The table's L3 GB/s over a rolling window of requests: bytes of every rank over the slowest
+    rank's I/O time (``kind`` "read" or "write"); None where the window moved nothing. Ranks serve
+    the same requests in the same order, so request i is record i on each."""
+    out = []
+    for k in range(len(idx)):
+        win = idx[max(0, k - window + 1):k + 1]
+        nbytes = sum(r["records"][i][f"{kind}_bytes"] for r in ranks for i in win)
+        secs = max(sum(r["records"][i][f"t_{kind}"] for i in win) for r in ranks)
+        out.append(nbytes / secs / 1e9 if nbytes and secs > 0 else None)
+    return out
+
+
+def plot(ranks: list[dict], path: str, window: int = 8, raw: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,6 +194,7 @@ def plot(ranks: list[dict], path: str, window: int = 8) -> None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     styles = ["-", "--", ":", "-."]
     gap = 0.0
+    present = [n for n in PHASES if any(x["phase"] == n for x in ranks[0]["records"])]
     for r in ranks:
         recs = r["records"]
         xs, gap = _serving_clock(recs)
@@ -193,14 +207,24 @@ def plot(ranks: list[dict], path: str, window: int = 8) -> None:
             ts = [xs[i] for i in idx]
             hit = [sum(x["l2"] + x["l3"] for x in w) / max(1, sum(x["pages"] for x in w)) for w in win]
             l3 = [sum(x["l3"] for x in w) / max(1, sum(x["pages"] for x in w)) for w in win]
-            gbps = [sum(x["read_bytes"] + x["write_bytes"] for x in w) / max(1e-9, sum(x["dt"] for x in w)) / 1e9
-                    for w in win]
-            first = name == PHASES[0]
+            first = name == present[0]
             ax1.plot(ts, hit, ls, color="C0", label=f"rank {r['rank']}: L2+L3 hit rate" if first else None)
             ax1.plot(ts, l3, ls, color="C3", label=f"rank {r['rank']}: L3 hit rate" if first else None)
-            ax2.plot(ts, gbps, ls, color="C%d" % (r["rank"] % 10), label=f"rank {r['rank']}" if first else None)
     recs0 = ranks[0]["records"]
     xs0, _ = _serving_clock(recs0)
+    for name in PHASES:  # the table's quantity: all ranks' bytes over the slowest rank's I/O time
+        idx = [i for i, x in enumerate(recs0) if x["phase"] == name]
+        if not idx:
+            continue
+        ts = [xs0[i] for i in idx]
+        first = name == present[0]
+        for kind, color, ls in (("read", "C2", "-"), ("write", "C1", "--")):
+            ax2.plot(ts, rolling_gbps(ranks, idx, window, kind), ls, color=color, marker=".",
+                     label=f"L3 {kind} GB/s, all ranks" if first else None)
+    if raw:
+        ax2.axhline(raw["read_gbps"], color="C2", ls=":", lw=1, label=f"raw O_DIRECT read {raw['read_gbps']:.2f} GB/s")
+        ax2.axhline(raw["write_gbps"], color="C1", ls=":", lw=1,
+                    label=f"raw O_DIRECT write {raw['write_gbps']:.2f} GB/s")
     for k, name in enumerate(PHASES):
         idx = [i for i, x in enumerate(recs0) if x["phase"] == name]
         if idx:
@@ -211,10 +235,11 @@ def plot(ranks: list[dict], path: str, window: int = 8) -> None:
     ax1.set_ylim(0, 1.12)
     ax1.set_ylabel(f"hit rate (rolling {window} requests)")
     ax1.legend(fontsize=8, loc="lower right")
-    ax2.set_ylabel("L3 GB/s per rank\n(bytes moved / request time)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel(f"L3 GB/s, as the table's columns\n(bytes of all ranks / slowest rank's\nI/O time, rolling {window} requests)")
     ax2.set_xlabel(f"seconds of serving (the {gap:.0f} s restart of all ranks is cut out)")
     ax2.legend(fontsize=8)
-    fig.suptitle("sglang-cp cachebench: hit rate and L3 throughput per CP rank")
+    fig.suptitle("sglang-cp cachebench: hit rate per CP rank; L3 read and write GB/s of the node")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

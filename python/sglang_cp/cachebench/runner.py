@@ -103,7 +103,8 @@ def _l3_config(root: str, need_bytes: int) -> str:
     shutil.rmtree(root, ignore_errors=True)
     # Room for the working set below GC's watermark; slabs are preallocated to this size.
     cap = round(2 * need_bytes / 1e9 + 0.2, 2)
-    return write_demo_config(root, capacity_gb=cap)
+    return write_demo_config(root, capacity_gb=cap, writer="`sglang-cp cachebench` for its L3 directory "
+                             "(deleted and recreated by each run without --cp-l3-config)")
 
 
 def run(ns) -> int:
