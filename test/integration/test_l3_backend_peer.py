@@ -121,8 +121,6 @@ def peer_checks(rank, world, rendezvous, l3_config):
 
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory):
-    from conftest import REPO  # noqa: F401  (the suite's root conftest: real disk temp dirs below)
-
     root = tmp_path_factory.mktemp("peer")
     cfg = write_demo_config(str(root / "l3"), capacity_gb=0.05)
     return run_ranks(2, peer_checks, (cfg,), timeout=300)
