@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import warnings
 
 from sglang_cp.demo_config import DEMO_CONFIG, write_demo_config  # noqa: F401 (public here too)
@@ -223,6 +224,21 @@ def _cmd_l3_stats(ns) -> int:
 
 
 FSCK_CLEAN, FSCK_PROBLEMS, FSCK_USAGE, FSCK_REPAIRED = 0, 1, 2, 3
+_FSCK_HELP = (
+    "Check an L3 directory with no server running: index entries against slab headers and payload CRCs. "
+    "Exit codes: 0 clean (orphans are informational), 1 problems found and not repaired, 2 usage/config "
+    "error or refused (--repair while the directory is in use; a check while a live store owns one of its "
+    "ranks, i.e. holds its rank lock, without --live), 3 repaired.",
+    "A live store frees and rewrites slots while fsck reads them, so an exact check needs the server "
+    "stopped: without --live, fsck refuses a directory whose rank locks a running store holds and names it "
+    "(rank, pid, identity).",
+    "--live checks it anyway, read-only: each problem is confirmed by reading its index entry again after "
+    "its slot was read. An entry deleted or rewritten meanwhile is counted 'transient' (informational); one "
+    "that still maps the same slot is a real problem (exit 1), since the store frees a slot only after its "
+    "entry's delete committed and a rewritten page gets a new sequence number. Orphan counts mean little "
+    "there (pages in flight). --live reads every referenced payload from the serving disk, so it competes "
+    "with the server for I/O; --repair is refused while a store is live.",
+)
 
 
 def _cmd_l3_fsck(ns) -> int:
@@ -236,21 +252,40 @@ def _cmd_l3_fsck(ns) -> int:
     cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)
     if cfg is None:
         return FSCK_USAGE
+    owners = fsck.live_owners(cfg)
+    held = "; ".join(f"rank {r} by pid {h.pid if h.pid is not None else '?'}" + (f" ({h.owner})" if h.owner else "")
+                     for r, h in owners)
+    if owners and ns.repair:
+        console.print(escape(f"refusing --repair: a live store owns this L3 directory ({held}). Stop the "
+                             "server and run it again."), style="bold red")
+        return FSCK_USAGE
+    if owners and not ns.live:
+        console.print(escape(f"refusing to check a live directory: a store owns it ({held}). While it writes, it "
+                             "frees and rewrites slots under the scan, which would show as dangling or crc "
+                             "findings. Stop the server for an exact check, or pass --live (read-only; see "
+                             "`sglang-cp l3 fsck --help`)."), style="bold red")
+        return FSCK_USAGE
     users = fsck.live_users(cfg)
     if users and ns.repair:
         console.print("[bold red]refusing --repair[/]: the L3 directory is in use by "
                       + escape("; ".join(f"pid {p} ({c})" for p, c in users))
                       + ". Stop the server (or those processes) and run it again.")
         return FSCK_USAGE
-    if users:
+    if users and not owners:
         console.print("[yellow]warning[/]: in use by pid(s) " + ", ".join(str(p) for p, _ in users)
                       + "; a live writer can make this report inconsistent")
     rep = fsck.check(cfg)
+    if ns.live:
+        fsck.confirm_live(cfg, rep)
+        if owners:
+            console.print(escape(f"live check ({held}): each problem was confirmed against the index after its "
+                                 "slot was read; the others are counted as transient"))
     counts = rep.counts()
     if ns.repair and (rep.problems() or counts["orphan"]):
         fsck.repair(cfg, rep)
     if ns.json:
-        print(json.dumps({"entries": rep.entries, "live": rep.live, "slabs": len(rep.slabs),
+        print(json.dumps({"entries": rep.entries, "live": rep.live, "slabs": len(rep.slabs), "live_check": ns.live,
+                          "owners": [{"rank": r, "pid": h.pid, "owner": h.owner} for r, h in owners],
                           "counts": dict(counts), "repaired": dict(rep.repaired),
                           "repair_failed": rep.repair_failed, "cleared_after_delete": rep.cleared_after_delete,
                           "findings": [{"kind": f.kind, "slab": f.slab, "slot": f.slot, "rank": f.rank,
@@ -264,7 +299,8 @@ def _cmd_l3_fsck(ns) -> int:
                    "crc": "payload CRC mismatch", "cross_rank": "slot holds, or is claimed by, another rank",
                    "collision": "two entries of one rank claim one slot",
                    "orphan": "valid blob no entry references (inert; informational)",
-                   "stray": "file named like a slab the store never writes (skipped; informational)"}
+                   "stray": "file named like a slab the store never writes (skipped; informational)",
+                   "transient": "--live: the entry was deleted or rewritten while read (informational)"}
         for kind in (*fsck.PROBLEMS, *fsck.INFO):
             t.add_row(kind, str(counts[kind]), str(rep.repaired[kind]) if ns.repair else "-", meaning[kind])
         console.print(t)
@@ -327,13 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(fn=_cmd_l3_stats)
     fk = l3sub.add_parser("fsck", help="scan slab headers and the index; exit 0 clean, 1 problems, "
                           "2 usage/config error, 3 repaired",
-                          description="Check an L3 directory with no server running: index entries against "
-                          "slab headers and payload CRCs. Exit codes: 0 clean (orphans are informational), "
-                          "1 problems found and not repaired, 2 usage/config error or --repair refused "
-                          "(the directory is in use), 3 repaired.")
+                          description="\n\n".join(textwrap.fill(para, 100) for para in _FSCK_HELP),
+                          formatter_class=raw)
     fk.add_argument("--cp-l3-config", required=True)
     fk.add_argument("--repair", action="store_true",
                     help="drop dangling/bad index entries and clear orphaned slot headers")
+    fk.add_argument("--live", action="store_true",
+                    help="check a directory a running store owns (read-only; unconfirmed findings are "
+                    "reported as transient)")
     fk.add_argument("--json", action="store_true", help="print JSON instead of tables")
     fk.set_defaults(fn=_cmd_l3_fsck)
     return p

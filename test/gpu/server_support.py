@@ -7,7 +7,9 @@ and this plugin are installed. Without CUDA (CI) every module skips at collectio
 Environment knobs (all optional):
 - ``SGLANG_CP_GPU_TEST_DIR``: where L3 slabs and indexes go (default: pytest's tmp dir;
   it must be a real disk filesystem, since L3 opens its slabs with O_DIRECT);
-- ``SGLANG_CP_TEST_ATTENTION_BACKEND``: attention backend (default ``triton``).
+- ``SGLANG_CP_TEST_ATTENTION_BACKEND``: attention backend (default ``triton``);
+- ``SGLANG_CP_GPU_START_SLOTS``: how many servers may be starting at once on one GPU (default 2; see
+  ``start_slot``), ``SGLANG_CP_GPU_START_WAIT_S``: the bound on waiting for a slot (default 1800 s).
 Under pytest-xdist each worker takes its own GPU (``gw<N>`` -> GPU N modulo the count).
 """
 
@@ -26,6 +28,7 @@ if not torch.cuda.is_available():
 
 from sglang_cp.demo_config import write_demo_config  # noqa: E402
 from sglang_cp.server_process import ServerProcess  # noqa: E402
+from start_slots import start_slot  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
@@ -50,16 +53,22 @@ def worker_env() -> dict:
     return env
 
 
+def kv_env(**extra: str) -> dict:
+    """The worker's environment with the KV-sensitive weight shaping on (DeepSeek-family models: MLA, DSA)."""
+    env = worker_env()
+    env["SGLANG_CP_TEST_KV_SENSITIVE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (KV_SENSITIVE_DIR, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
 def dsa_env(kv_sensitive: bool = True, **extra: str) -> dict:
     """The worker's environment for a DSA server. Without DeepGEMM (this workplace's kit has none)
     the indexer's logits run in upstream's torch implementation; a box with sglang's own
     ``sgl-deep-gemm`` keeps the real kernels."""
-    env = worker_env()
+    env = kv_env() if kv_sensitive else worker_env()
     if importlib.util.find_spec("deep_gemm") is None:
         env["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] = "1"
-    if kv_sensitive:
-        env["SGLANG_CP_TEST_KV_SENSITIVE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (KV_SENSITIVE_DIR, env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
 
@@ -113,13 +122,24 @@ def pages_of(n_tokens: int) -> int:
     return (n_tokens - 1) // PAGE
 
 
-def server(model: str, extra: list, log_dir: str, tag: str, env: dict | None = None, **kw) -> ServerProcess:
+class TestServer(ServerProcess):
+    """ServerProcess whose start waits for a start slot of its GPU (``start_slots.start_slot``)."""
+
+    __test__ = False  # not a pytest class
+
+    def start(self) -> "TestServer":
+        with start_slot(self.env or os.environ):
+            super().start()
+        return self
+
+
+def server(model: str, extra: list, log_dir: str, tag: str, env: dict | None = None, **kw) -> TestServer:
     # 0.3 of the GPU each: two test servers share one GPU under pytest-xdist -n 2x#GPUs.
     kw.setdefault("mem_fraction_static", 0.3)
     if model == "dsa":
         kw.setdefault("attention_backend", "dsa")
-    return ServerProcess(MODELS[model], extra_args=extra, env=env if env is not None else worker_env(),
-                         log_path=os.path.join(log_dir, f"{tag}.log"), **kw)
+    return TestServer(MODELS[model], extra_args=extra, env=env if env is not None else worker_env(),
+                      log_path=os.path.join(log_dir, f"{tag}.log"), **kw)
 
 
 METRIC = "sglang:cp_l3_{}".format

@@ -10,50 +10,14 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 
 import pytest
+from hugepage_support import HOST_POOL_GB, NR, avail as _avail, read_int as _read, write_int as _write
 from server_support import base_dir, l3_flags, pages_of, prompt, server, write_l3_config
 
-# Both tests change vm.nr_hugepages: under pytest-xdist they share one worker.
+# Both tests change vm.nr_hugepages: under pytest-xdist they share one worker. The hugetlbfs
+# fixture is in conftest.py (the soak test uses it too).
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("hugepages")]
-NR = "/proc/sys/vm/nr_hugepages"
-SYSFS = "/sys/kernel/mm/hugepages/hugepages-2048kB"
-HOST_POOL_GB = 4  # --hicache-size of l3_flags
-
-
-def _read(path):
-    with open(path) as f:
-        return int(f.read())
-
-
-def _avail():
-    """2 MiB hugepages neither in use nor reserved by a mapping."""
-    return _read(f"{SYSFS}/free_hugepages") - _read(f"{SYSFS}/resv_hugepages")
-
-
-def _write(path, v):
-    with open(path, "w") as f:
-        f.write(f"{v}\n")
-
-
-@pytest.fixture
-def hugetlbfs(tmp_path_factory):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to reserve hugepages and mount hugetlbfs")
-    before = _read(NR)
-    want = HOST_POOL_GB * 512 + 256
-    _write(NR, before + max(0, want - _avail()))
-    if _avail() < want:
-        _write(NR, before)
-        pytest.skip(f"the kernel granted only {_avail()} free 2 MiB hugepages, need {want}")
-    mnt = str(tmp_path_factory.mktemp("hugetlbfs"))
-    if subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", mnt]).returncode:
-        _write(NR, before)
-        pytest.skip("cannot mount hugetlbfs")
-    yield mnt
-    subprocess.run(["umount", "-l", mnt], check=False)
-    _write(NR, before)
 
 
 def _l2_flags(mnt):

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from suite_helpers import REPO
 from sglang_cp.cli import write_demo_config
 
 BIN = os.path.join(os.path.dirname(sys.executable), "sglang-cp")

@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from conftest import REPO, run_py
+from suite_helpers import REPO, run_py
 
 EXAMPLES = os.path.join(REPO, "examples")
 

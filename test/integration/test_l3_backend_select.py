@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_py
+from suite_helpers import run_py
 
 CODE = textwrap.dedent(
     """

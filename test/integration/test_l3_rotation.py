@@ -2,7 +2,7 @@
 
 import textwrap
 
-from conftest import run_py
+from suite_helpers import run_py
 from cp_harness import PAGE, run_ranks
 from cp_scenarios import forced_phase_probe
 from sglang_cp.cli import write_demo_config

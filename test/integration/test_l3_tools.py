@@ -186,8 +186,10 @@ def test_fsck_refuses_repair_while_a_store_has_the_directory_open(l3dir):
         p = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--repair")
         assert p.returncode == 2, p.stdout + p.stderr
         assert "refusing --repair" in p.stdout and str(holder.pid) in p.stdout
-        ro = cli("l3", "fsck", "--cp-l3-config", cfg_path)  # a read-only check still runs, with a warning
-        assert ro.returncode == 0 and "in use by pid" in ro.stdout
+        ro = cli("l3", "fsck", "--cp-l3-config", cfg_path)  # a live owner: refused without --live
+        assert ro.returncode == 2 and "--live" in ro.stdout and str(holder.pid) in ro.stdout, ro.stdout
+        live = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--live")  # a store that does not write: clean
+        assert live.returncode == 0 and "live check" in live.stdout, live.stdout + live.stderr
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -200,3 +202,79 @@ def test_bad_config_is_a_usage_error(disk_tmp):
         p = cli("l3", sub, "--cp-l3-config", missing)
         assert p.returncode == 2
         assert "--cp-l3-config" in p.stdout and "does not exist" in p.stdout
+
+
+_CHURN = r"""
+import sys, threading
+import numpy as np
+from sglang_cp.l3 import L3Store, load_l3_config
+s = L3Store(load_l3_config(sys.argv[1]), rank=0, ranks_per_node=2, payloads={"kv": int(sys.argv[2])},
+            cold_start="load")
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+i = 0
+while not stop.is_set():  # new keys only: GC frees and rewrites slots all the time
+    keys = [b"churn%d" % (i + j) for j in range(64)]
+    assert all(s.write_pages("kv", keys, [np.full(int(sys.argv[2]), (i + j) % 251, np.uint8) for j in range(64)],
+                             timeout=60))
+    i += 64
+    if i == 64:
+        print("ready", flush=True)
+c = s.stats()["counters"]
+print("written", i, "reclaimed", c["gc_reclaimed"], flush=True)
+s.close()
+"""
+
+
+def test_fsck_on_a_live_directory_refuses_or_confirms_each_finding(l3dir, capsys):
+    """A store writing under GC pressure while fsck reads (issue 27, item 5). Before: exit 1 with
+    dangling (and now and then crc) findings for pages the store freed and rewrote under the scan.
+    Now: refused without --live, naming the owner; with --live every finding whose entry changed is
+    transient and the exit is 0, while real damage on a rank that is not live is still a problem."""
+    from sglang_cp.cli import main
+
+    cfg_path, cfg = l3dir
+    writer = subprocess.Popen([sys.executable, "-c", _CHURN, cfg_path, str(PAGE_BYTES)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        plain = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--json")
+        assert plain.returncode == 2, f"a check of a live directory ran: exit {plain.returncode}\n{plain.stdout}"
+        assert f"rank 0 by pid {writer.pid}" in plain.stdout and "--live" in plain.stdout, plain.stdout
+
+        def live(*extra):
+            capsys.readouterr()
+            rc = main(["l3", "fsck", "--cp-l3-config", cfg_path, "--live", "--json", *extra])
+            out = capsys.readouterr().out
+            return rc, json.loads(out[out.index("{"):])
+
+        transient = runs = 0
+        while runs < 30 and transient == 0:  # until the scan raced the writer at least once
+            rc, rep = live()
+            runs += 1
+            counts = rep["counts"]
+            assert rc == 0 and not any(counts.get(k) for k in ("dangling", "crc", "cross_rank", "collision")), rep
+            transient += counts.get("transient", 0)
+        with capsys.disabled():
+            print(f"fsck --live on a writing store: {runs} run(s), {transient} transient finding(s), 0 problems")
+        assert transient, "the scan never raced the writer: nothing was tested"
+
+        # Real damage where nobody writes (rank 1, closed): still a problem under --live.
+        path1, sb = _slab(cfg, 1)
+        _, e = _entry(cfg, 1, b"k0")
+        b = _rw(path1, e.slot * sb + 100, 1)
+        _rw(path1, e.slot * sb + 100, 1, bytes([b[0] ^ 0xFF]))
+        rc, rep = live()
+        assert rc == 1 and rep["counts"].get("crc") == 1, rep
+        assert [f["rank"] for f in rep["findings"] if f["kind"] == "crc"] == [1], rep
+        assert main(["l3", "fsck", "--cp-l3-config", cfg_path, "--live", "--repair"]) == 2  # never with a live store
+    finally:
+        writer.stdin.close()
+        tail = writer.stdout.read()
+        writer.wait(timeout=60)
+    print(f"writer: {tail.strip()}")
+    assert writer.returncode == 0
+    # Stopped: the exact check runs and finds the planted page only.
+    after = cli("l3", "fsck", "--cp-l3-config", cfg_path, "--json")
+    assert after.returncode == 1 and json.loads(after.stdout)["counts"].get("crc") == 1, after.stdout
+    assert not {"dangling", "cross_rank", "collision"} & set(json.loads(after.stdout)["counts"]), after.stdout

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_py
+from suite_helpers import run_py
 
 PARSE = textwrap.dedent(
     """
@@ -90,7 +90,7 @@ def test_bad_choice_is_rejected_naming_the_choices_without_sglangs_usage():
 def test_the_sglang_pin_is_pyprojects():
     import re
 
-    from conftest import REPO
+    from suite_helpers import REPO
     from sglang_cp.plugin import SGLANG_PIN
 
     deps = open(f"{REPO}/pyproject.toml").read()

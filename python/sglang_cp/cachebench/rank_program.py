@@ -151,11 +151,34 @@ def _log_to(path: str) -> None:
     os.close(fd)
 
 
+def rss_bytes() -> int:
+    """This process's resident set (VmRSS), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _live(stats) -> int:
+    return sum(o["durable"] for o in stats["occupancy"].values())
+
+
 def run_phases(rank, world, rendezvous, l3_config, phases, l2_pages, layers, cold_start, host_pages, sidecars,
-               log_path=None, prefetch_threshold=0):
-    """``phases``: [(name, [Request, ...])]. Returns per-request records and per-phase totals."""
+               log_path=None, prefetch_threshold=0, soak=False):
+    """``phases``: [(name, [Request, ...])]. Returns per-request records and per-phase totals.
+
+    ``soak`` (cachebench --soak): every rank emits ("pid", pid) once its store is open and each new
+    error as ("error", text), rank 0 ("served", phase, i, l2, l3, computed) per answered request, so the
+    parent keeps what it needs when a rank is SIGKILLed mid-phase; the result adds the store's state at
+    the start and the end, RSS samples and the staging high-water mark."""
     if log_path:
         _log_to(log_path.format(rank=rank))
+    import os
+
     import torch
 
     # Page compares and copies are ~300 KB each: torch's intra-op thread pool only adds
@@ -172,6 +195,10 @@ def run_phases(rank, world, rendezvous, l3_config, phases, l2_pages, layers, col
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)  # loads the native hash: not timed
+        start = r.backend.l3_stats()
+        rss, staging_max, sent = [rss_bytes()], 0, 0
+        if soak:
+            emit(("pid", os.getpid()))
         r.dist.barrier()
         for phase, reqs in phases:
             if rank == 0:
@@ -190,9 +217,22 @@ def run_phases(rank, world, rendezvous, l3_config, phases, l2_pages, layers, col
                 records.append(rec)
                 if rank == 0:
                     emit(("tick", 1))
+                if soak:
+                    for e in b.errors[sent:]:
+                        emit(("error", e))
+                    sent = len(b.errors)
+                    staging_max = max(staging_max, r.backend.l3_stats()["inflight"]["staging_pages"])
+                    if rank == 0:
+                        emit(("served", phase, i, rec["l2"], rec["l3"], rec["computed"]))
+                    if i % 16 == 15:
+                        rss.append(rss_bytes())
         stats = r.backend.l3_stats()
+        rss.append(rss_bytes())
         return {"rank": rank, "records": records, "errors": b.errors, "page_bytes": page_bytes,
                 "cold_start": stats["cold_start"], "occupancy": stats["occupancy"],
-                "counters": stats["counters"]}
+                "counters": stats["counters"], "live_start": _live(start), "live_end": _live(stats),
+                "counters_start": start["counters"], "rss": rss, "staging_max": staging_max,
+                "staging_end": stats["inflight"]["staging_pages"], "staging_limit": stats["inflight"]["staging_limit"],
+                "index": stats["index"]}
     finally:
         r.close()

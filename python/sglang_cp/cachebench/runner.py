@@ -20,9 +20,10 @@ from rich.markup import escape
 
 from sglang_cp.cachebench.cp_testbed import PAGE, RankDied, run_ranks
 from sglang_cp.display import rel
+from sglang_cp.l3 import load_l3_config
 from sglang_cp.l3.recovery import COLD_START_MODES, DEFAULT_COLD_START
 
-from . import rawdisk, report
+from . import rawdisk, report, soak
 from .rank_program import run_phases
 from .workload import TraceError, WorkloadSpec, generate, read_trace, unique_pages
 
@@ -68,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what the first rank processes do with pages already on disk: 'clear' (default) starts "
                         "empty; 'load' / 'verify' replay against them (without --cp-l3-config: the L3 directory "
                         "an earlier run left under --out-dir, kept as it is). The restart phase always uses 'load'")
+    p.add_argument("--soak", type=float, default=None, metavar="MINUTES",
+                   help="soak: serve the stream for MINUTES (0: one SIGKILL and one restart) with L3 capacity below "
+                        "the working set, graceful rank restarts and SIGKILLed ranks, checking the invariants "
+                        "after every epoch (--quick sizes unless given; soak.json)")
+    p.add_argument("--soak-capacity", type=float, default=0.5, metavar="FRACTION",
+                   help="soak: L3 capacity as a fraction of the working set (GC pressure below 1)")
+    p.add_argument("--soak-epoch-s", type=float, default=30.0, metavar="SECONDS",
+                   help="soak: serving time per epoch after the first, from the measured request rate")
     p.add_argument("--prefetch-threshold", type=int, default=256,
                    help="replay the scheduler's prefetch_threshold in tokens (upstream default 256; 0 = off): "
                         "shorter misses issue no L3 lookup, shorter agreed hits are revoked")
@@ -97,12 +106,13 @@ def _existing_l3_config(ns) -> str:
     return os.path.abspath(path), cfg.disks[0].path
 
 
-def _l3_config(root: str, need_bytes: int) -> str:
+def _l3_config(root: str, need_bytes: int, capacity_gb: float | None = None) -> str:
     from sglang_cp.demo_config import write_demo_config
 
     shutil.rmtree(root, ignore_errors=True)
-    # Room for the working set below GC's watermark; slabs are preallocated to this size.
-    cap = round(2 * need_bytes / 1e9 + 0.2, 2)
+    # Room for the working set below GC's watermark (the soak: its own, smaller capacity); slabs are
+    # preallocated to this size.
+    cap = round(2 * need_bytes / 1e9 + 0.2, 2) if capacity_gb is None else capacity_gb
     return write_demo_config(root, capacity_gb=cap, writer="`sglang-cp cachebench` for its L3 directory "
                              "(deleted and recreated by each run without --cp-l3-config)")
 
@@ -111,8 +121,13 @@ def run(ns) -> int:
     from rich.console import Console
 
     console = Console()
-    sizes = QUICK if ns.quick else DEFAULT
+    sizes = QUICK if ns.quick or ns.soak is not None else DEFAULT
     try:
+        if ns.soak is not None and (ns.soak < 0 or not 0 < ns.soak_capacity or ns.soak_epoch_s <= 0):
+            raise ValueError("--soak MINUTES must be >= 0, --soak-capacity > 0 and --soak-epoch-s > 0")
+        if ns.soak is not None and (ns.cp_l3_config is not None or ns.cp_l3_cold_start != "clear"):
+            raise ValueError("--soak starts from a fresh L3 directory of its own; drop --cp-l3-config and "
+                             "--cp-l3-cold-start")
         if ns.cp_size < 1:
             raise ValueError(f"--cp-size: must be >= 1, got {ns.cp_size}")
         if ns.prefetch_threshold < 0:
@@ -143,7 +158,10 @@ def run(ns) -> int:
     page_bytes = _page_bytes(layers, sidecars)
     os.makedirs(ns.out_dir, exist_ok=True)
     if cfg is None:
-        cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), working * (page_bytes + 3 * 4096))
+        need = working * (page_bytes + 3 * 4096)
+        cap = None if ns.soak is None else soak.soak_capacity_gb(need, ns.soak_capacity,
+                                                                  2 * max_req * (page_bytes + 3 * 4096))
+        cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), need, cap)
         disk_dir = os.path.dirname(cfg)
     host_pages = l2_pages + max_req + 1
 
@@ -159,13 +177,20 @@ def run(ns) -> int:
                   f"L2 {l2_pages} pages, {layers} layers, L3 config {rel(cfg)}"
                   + (f" (reused as it is, cold start '{ns.cp_l3_cold_start}')" if reuse else ""), soft_wrap=True)
 
+    logs = os.path.join(os.path.abspath(ns.out_dir), "rank{rank}.log")
+    if ns.soak is not None:  # no raw-disk probe: the soak checks invariants, it does not rate the disk
+        info.update(l3_capacity_gb=load_l3_config(cfg).disks[0].capacity_bytes / 1e9)
+        for r in range(ns.cp_size):
+            open(logs.format(rank=r), "w").close()
+        console.print(f"rank logs: {rel(logs.format(rank='N'))}; L3 capacity {info['l3_capacity_gb']} GB "
+                      f"({ns.soak_capacity:g} x the working set)", soft_wrap=True)
+        return soak.run(ns, console, cfg, requests, l2_pages, layers, host_pages, sidecars, logs, info)
     raw_bytes = (ns.raw_mb or min(512, max(64, int(working * page_bytes / ns.cp_size / 1e6)))) * 10**6
     with console.status("measuring the raw disk (O_DIRECT, same directory)"):
         raw = rawdisk.measure(disk_dir, raw_bytes)
     console.print(f"raw disk: write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
                   f"({raw['bytes'] / 1e6:.0f} MB, 1 MiB O_DIRECT x {raw['threads']})", soft_wrap=True)
 
-    logs = os.path.join(os.path.abspath(ns.out_dir), "rank{rank}.log")
     for r in range(ns.cp_size):
         open(logs.format(rank=r), "w").close()
     console.print(f"rank logs: {rel(logs.format(rank='N'))}", soft_wrap=True)

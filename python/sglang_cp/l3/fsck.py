@@ -15,6 +15,15 @@ and per slab slot (docs_internal/cachebench.md has the table and the exit codes)
   size is not a positive multiple of 4096, or it is not a regular file). It is skipped, never
   read; entries naming its rank and payload are judged against the real slabs only.
 
+A live directory (issue 27): a store that writes while fsck reads frees and rewrites slots under it,
+so entries read from the index snapshot turn ``dangling`` or even ``crc`` by the time their slot is
+read. ``live_owners`` names the ranks whose lock (``ownership.py``) a live store holds; the CLI refuses
+to check such a directory unless ``--live``, and then ``confirm_live`` keeps a problem only if its
+entry still maps the same slot (same seq) after the slot was read, the rest turning ``transient``
+(informational). That is sound because of the store's order: a slot is freed only after its entry's
+delete committed, and a rewritten page gets a new seq, so an entry present before and after the slot
+reads held that slot throughout.
+
 ``--repair`` deletes every problem entry (a conditional delete: only if the key still maps
 to that exact rank/disk/slot/seq) and zeroes the header block of orphans so they can never
 be mistaken for data. Safe only with no live user of the directory: ``live_users`` looks
@@ -35,12 +44,13 @@ from .blob import (HEADER_BYTES, BlobError, crc32c, header_block, parse_header, 
                    write_extent)
 from .config import L3Config
 from .index import IndexEntry, LmdbIndex, SharedIndex, ikey_digest
+from .ownership import Holder, probe
 
 from .config import SLAB_SUBDIR  # noqa: F401  (re-exported: where the store keeps slabs)
 _SLAB_NAME = re.compile(r"^r(\d+)\.([A-Za-z0-9_-]{1,64})\.s(\d+)\.slab$")
 SLAB_NAME = _SLAB_NAME  # r<rank>.<payload>.s<slot bytes>.slab
 PROBLEMS = ("dangling", "crc", "cross_rank", "collision")
-INFO = ("orphan", "stray")
+INFO = ("orphan", "stray", "transient")
 
 
 @dataclass
@@ -276,6 +286,47 @@ def _check_entry(rep, reader, by_key, ikey, e, claimed, full) -> None:
         return
     s, why = last_err
     rep.findings.append(Finding("dangling", s.path, e.slot, e.rank, why, ikey, e))
+
+
+def live_owners(config: L3Config) -> list[tuple[int, Holder]]:
+    """(rank, holder) of every rank of this config's directories a live store holds (its rank lock in
+    the index directory or a slab directory; /proc/locks, no lock taken)."""
+    held: dict[int, Holder] = {}
+    for d in [config.index_dir] + [config.slab_dir(disk.path) for disk in config.disks]:
+        for rank, holder in probe(d):
+            held.setdefault(rank, holder)
+    return sorted(held.items())
+
+
+def _same_slot(a: IndexEntry, b: IndexEntry) -> bool:
+    return (a.rank, a.disk, a.slot, a.payload_tag, a.length, a.seq) == (b.rank, b.disk, b.slot, b.payload_tag,
+                                                                          b.length, b.seq)
+
+
+def confirm_live(config: L3Config, rep: Report) -> int:
+    """After check() on a directory a live store writes: a problem whose entry no longer maps the same
+    slot (deleted, or rewritten with a new seq) turns ``transient``; the others stay problems. Returns
+    the number made transient. Call it after check(): the index is read again after every slot read."""
+    doubtful = [f for f in rep.findings if f.kind in PROBLEMS and f.ikey is not None]
+    if not doubtful:
+        return 0
+    index = open_index(config)
+    if index is None:
+        now = [None] * len(doubtful)
+    else:
+        try:
+            now = index.get_many([f.ikey for f in doubtful])
+        finally:
+            index.close()
+    n = 0
+    for f, e in zip(doubtful, now):
+        if e is None or not _same_slot(e, f.entry):
+            f.detail = f"{f.kind}: {f.detail}; the entry was deleted or rewritten while fsck read it (live writer)"
+            f.kind = "transient"
+            n += 1
+    bad = {(f.ikey, f.entry) for f in rep.findings if f.kind in PROBLEMS}
+    rep.live = rep.entries - len(bad)
+    return n
 
 
 def repair(config: L3Config, rep: Report) -> Report:

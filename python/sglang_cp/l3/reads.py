@@ -18,7 +18,6 @@ thread, which frees its slot (index delete before slot free). close() calls shut
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -28,6 +27,7 @@ from .aligned import huge_aligned_view
 from .blob import BlobError
 from .errors import L3InvariantError
 from .index import IndexEntry, IndexFull, IndexUnavailable, index_key
+from .io_pool import IoPool
 from .messages import Drop
 from .payload_pool import PayloadPool
 from .staging import Tokens
@@ -58,8 +58,8 @@ class ReadPath:
         self._landing_cond = threading.Condition()
         self._permits = max(st.config.io.max_inflight_pages, threads)
         self._slots = Tokens(self._permits)
-        self._rio = ThreadPoolExecutor(threads, thread_name_prefix=f"l3r-r{st.rank}")
-        self._fio = ThreadPoolExecutor(threads, thread_name_prefix=f"l3f-r{st.rank}")  # verify + copy out
+        self._rio = IoPool(threads, f"l3r-r{st.rank}")
+        self._fio = IoPool(threads, f"l3f-r{st.rank}")  # verify + copy out
 
     def landing_areas(self, payload: str) -> list[memoryview]:
         """The payload's landing areas not in use right now (for tests of their placement)."""

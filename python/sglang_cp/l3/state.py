@@ -41,7 +41,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from .acks import Ack, AckKind, OpState
@@ -50,6 +49,7 @@ from .config import L3Config
 from .errors import L3InvariantError
 from .held import HeldDigests
 from .index import IndexEntry, LmdbIndex
+from .io_pool import IoPool
 from .messages import Clear, Delete, Message, Stop, Touch, WriteBatch, WriteTask
 from .ownership import RankLock
 from .payload_pool import PayloadPool
@@ -240,7 +240,7 @@ class StoreState:
 
     # ---------------------------------------------------------------- I/O pool tasks
 
-    def submit_io(self, pool: ThreadPoolExecutor, fn, *args) -> bool:
+    def submit_io(self, pool: IoPool, fn, *args) -> bool:
         """Executor futures swallow exceptions; a task that dies outside its own handlers is a bug in
         this store, so it turns fatal (and fails every waiting op) instead of leaving callers hanging.
         Tasks are counted so that close() can tell when no thread is inside a syscall any more.

@@ -14,7 +14,6 @@ import collections
 import errno
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from .acks import AckKind
@@ -22,6 +21,7 @@ from .commit import GroupCommitter
 from .errors import L3InvariantError
 from .gc import WatermarkPolicy
 from .index import IndexEntry, IndexFull, IndexUnavailable
+from .io_pool import IoPool
 from .messages import Clear, CommitJob, Committed, Delete, Drop, IoDone, Reply, Stop, WriteBatch, WriteTask
 from .payload_pool import PayloadPool
 from .recovery import run_cold_start
@@ -54,7 +54,7 @@ class WriteThread:
         cfg = st.config
         self._gc_policy = {p: WatermarkPolicy(cfg.gc.high_watermark, cfg.gc.low_watermark, cfg.gc.max_reclaim_per_iter)
                            for p in st.pools}
-        self._io = ThreadPoolExecutor(cfg.io.threads, thread_name_prefix=f"l3w-r{st.rank}")
+        self._io = IoPool(cfg.io.threads, f"l3w-r{st.rank}")
         self._committer = GroupCommitter(st)
         self._thread = threading.Thread(target=self._main, name=f"l3-writer-r{st.rank}", daemon=True)
 

@@ -280,3 +280,67 @@ def test_runs_dispatched_after_close_gave_up_are_settled(make_store):
     st = s.stats()
     assert st["occupancy"]["kv"]["used"] == st["occupancy"]["kv"]["durable"] == 4, st["occupancy"]
     assert st["inflight"]["staging_pages"] == 0, st["inflight"]
+
+
+# ------------------------------------------------------------------ process exit on a dead disk
+
+# The child stalls one read (or write) at the seam for STUCK_S, the stuck request's own bound, then
+# closes with CHILD_CLOSE_S and returns from main. It must exit long before the stuck request would have
+# returned: EXIT_BOUND_S is a generous process-exit bound, the property under test.
+STUCK_S = 60.0
+CHILD_CLOSE_S = 2.0
+EXIT_BOUND_S = 20.0
+
+_EXIT_CHILD = r"""
+import json, sys, threading, time
+from sglang_cp.l3 import L3Store, parse_l3_config
+
+doc, op_kind, stuck_s, close_s = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+armed, entered, never = [False], threading.Event(), threading.Event()
+
+def stall(op, slab, slot):
+    if armed[0] and op == op_kind:
+        entered.set()
+        never.wait(stuck_s)  # a request stuck in the kernel until the device's own timeout
+
+s = L3Store(parse_l3_config(doc), rank=0, ranks_per_node=1, payloads={"kv": 16384}, cold_start="clear",
+            fault_injector=stall)
+assert all(s.write_pages("kv", [b"k0"], [bytes(16384)]))
+armed[0] = True
+if op_kind == "read":
+    s.submit_read("kv", [b"k0"], [bytearray(16384)])
+else:
+    s.submit_write("kv", [b"k1"], [bytes(16384)])
+assert entered.wait(30), "the stalled request never reached the device"
+t0 = time.monotonic()
+s.close(timeout=close_s)
+print("close_s=%.2f" % (time.monotonic() - t0), flush=True)
+"""
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_process_exits_within_bound_with_a_request_stuck_in_the_device(l3_root, op):
+    """close(timeout) on a dead disk, then a normal interpreter exit: the stuck I/O thread must not be
+    joined at exit (it would hold the process for the request's own STUCK_S)."""
+    import json
+    import subprocess
+    import sys
+
+    from l3_helpers import config_doc
+    doc = config_doc(l3_root)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_CHILD, json.dumps(doc), op, str(STUCK_S),
+                             str(CHILD_CLOSE_S)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=STUCK_S * 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    wall = time.monotonic() - t0
+    print(f"stuck {op}: {out.strip()}, process exited {proc.returncode} after {wall:.1f} s "
+          f"(stuck request's bound {STUCK_S:g} s)")
+    assert proc.returncode == 0, err[-3000:]
+    assert "close_s=" in out, err[-3000:]
+    assert wall < EXIT_BOUND_S, (f"the process took {wall:.1f} s to exit after close(timeout={CHILD_CLOSE_S:g}): "
+                                 f"interpreter exit waited for the I/O thread stuck in the device")

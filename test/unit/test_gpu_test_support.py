@@ -1,0 +1,106 @@
+"""The GPU suite's CPU-side helpers, on CPU. The soak's workload and bookkeeping (test/gpu/soak_support.py):
+its prompts answer with their document's planted token under a model that answers with its prefix's most
+frequent token (what the KV-sensitive weights do), chats grow from the answers, the stream is
+deterministic and Zipf-skewed, the phase plan ends gracefully, and the process-group RSS reader finds a
+real group. The start slots (test/gpu/start_slots.py): at most N holders per GPU, a bounded wait."""
+
+import collections
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+_GPU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_GPU, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+soak = _load("soak_support")
+slots = _load("start_slots")
+
+
+def mode_model(ids):
+    """What the shaped model computes: its prefix's most frequent token, as its answer."""
+    return [collections.Counter(ids).most_common(1)[0][0]] * 8
+
+
+def test_every_prompt_answers_with_its_documents_planted_token():
+    w = soak.build()
+    assert len({soak.planted(d) for d in range(w.sizes.documents)}) == w.sizes.documents
+    assert soak.planted(w.sizes.documents - 1) < soak.RANDOM_LO
+    for (d, q), ids in w.questions.items():
+        assert mode_model(ids)[0] == soak.planted(d) == soak.expected_answer(w, ("q", d, q))
+    for c in range(w.sizes.chats):
+        prompts, outs = soak.chat_turns(w, c, mode_model)
+        assert len(prompts) == w.sizes.turns
+        for t in range(1, w.sizes.turns):  # each turn extends the previous prompt by its answer and a user turn
+            assert prompts[t][:len(prompts[t - 1])] == prompts[t - 1]
+            assert prompts[t][len(prompts[t - 1]):len(prompts[t - 1]) + 8] == outs[t - 1]
+        assert {o[0] for o in outs} == {soak.expected_answer(w, ("chat", c, 0))}
+
+
+def test_schedule_is_deterministic_zipf_skewed_and_mixes_chats():
+    w = soak.build()
+    a, b = soak.Schedule(w), soak.Schedule(w)
+    keys = [a.next() for _ in range(4000)]
+    assert keys == [b.next() for _ in range(4000)]
+    docs = collections.Counter(k[1] for k in keys if k[0] == "q")
+    assert docs.most_common()[0][1] > 5 * max(1, docs.most_common()[-1][1])
+    chats = [k for k in keys if k[0] == "chat"]
+    assert 0.2 < len(chats) / len(keys) < 0.3
+    assert chats[:w.sizes.chats * 2] == [("chat", i % w.sizes.chats, i // w.sizes.chats) for i in range(w.sizes.chats * 2)]
+
+
+def test_phase_plan_kills_and_restarts_and_ends_gracefully():
+    short = soak.phase_plan(150, False)
+    assert [p[:2] for p in short] == [("clear", "kill"), ("load", "stop"), ("load", "stop")]
+    assert sum(p[2] for p in short) == pytest.approx(150)
+    long = soak.phase_plan(3000, True, 600)
+    assert long[0][0] == "clear" and all(p[0] == "load" for p in long[1:]) and long[-1][1] == "stop"
+    ends = [p[1] for p in long]
+    assert "kill" in ends and all(x != y for x, y in zip(ends, ends[1:]))
+
+
+def test_percentile_nearest_rank():
+    assert soak.percentile([], 50) is None
+    xs = list(range(1, 101))
+    assert soak.percentile(xs, 50) == 50 and soak.percentile(xs, 99) == 99 and soak.percentile(xs, 100) == 100
+
+
+def test_group_rss_reads_a_real_process_group():
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); time.sleep(60)"],
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and soak.scheduler_rss(child.pid) < (64 << 20):
+            time.sleep(0.1)
+        procs = soak.group_processes(child.pid)
+        assert [p[0] for p in procs] == [child.pid]
+        assert soak.scheduler_rss(child.pid) >= 64 << 20  # no scheduler title: the group's largest
+    finally:
+        child.kill()
+        child.wait(30)
+    assert soak.scheduler_rss(child.pid) == 0
+
+
+def test_start_slots_admit_n_per_gpu_and_the_wait_is_bounded(tmp_path):
+    env0, env1 = {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}
+    kw = dict(slots=2, lock_dir=str(tmp_path))
+    with slots.start_slot(env0, wait_s=1, **kw) as a, slots.start_slot(env0, wait_s=1, **kw) as b:
+        assert {a, b} == {0, 1}
+        with slots.start_slot(env1, wait_s=1, **kw) as c:  # another GPU has its own slots
+            assert c == 0
+        with pytest.raises(TimeoutError, match="no server start slot of GPU 0"):
+            with slots.start_slot(env0, wait_s=0.5, **kw):
+                pass
+    with slots.start_slot(env0, wait_s=1, **kw) as again:  # released on exit
+        assert again == 0
