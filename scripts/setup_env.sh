@@ -88,15 +88,18 @@ step "matplotlib (cachebench plot)" --constraint="$CONSTRAINTS" \
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
   pyparsing==3.3.3 python-dateutil==2.9.0.post0 six==1.17.0
 
-# The project itself (editable). Re-installed only when pyproject.toml changed, so the
-# entry points (plugin group, console script) always match the checked-out metadata.
-stamp="$VENV/.sglang_cp_pyproject.sha"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+# The project itself (editable). Re-installed only when its build inputs changed (pyproject.toml,
+# setup.py, the native library's C sources), so the entry points (plugin group, console script) match
+# the checked-out metadata and python/sglang_cp/l3/_native*.so (built in place) matches its sources.
+stamp="$VENV/.sglang_cp_build.sha"
+want="$(cat pyproject.toml setup.py python/sglang_cp/l3/native/*.[ch] | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VPY" -c 'import sglang_cp' 2>/dev/null; then
   s=$SECONDS
   echo "[setup] sglang-cp (editable): installing"
   "$VPY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored: it is neither" || true
   "$VPY" -c 'import sglang_cp' || { echo "[setup] sglang-cp failed to install"; exit 1; }
+  "$VPY" -c 'from sglang_cp.l3 import native; native.load("setup", "native")' \
+    || { echo "[setup] sglang-cp's native library (sglang_cp/l3/_native) did not build: see the warning above"; exit 1; }
   echo "$want" > "$stamp"
   echo "[setup] sglang-cp: done in $((SECONDS - s)) s"
 else

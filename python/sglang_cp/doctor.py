@@ -148,7 +148,9 @@ def check_l3_config(path: str) -> Iterable[Row]:
     ok, detail = _writable(index_dir)
     yield Row("l3 index", index_dir, OK if ok else FAIL, f"LMDB dir {detail}")
     if ok and cfg.index.digest_threads:
-        yield _native_digest_row(index_dir, cfg.index.digest_threads)
+        yield _native_digest_row(cfg.index.digest_threads)
+    if cfg.io.read_engine == "native":
+        yield _native_read_engine_row()
     for disk in cfg.disks:
         ok, detail = probe_odirect(disk.path)
         yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
@@ -204,22 +206,36 @@ def space_problems(cfg) -> list[str]:
     return out
 
 
-def _native_digest_row(index_dir: str, threads: int) -> Row:
-    """index.digest_threads > 0: build (or reuse) the native hasher where the server will, and check it
-    against hashlib, so a host without a compiler fails here rather than at the server's start."""
+def _native_read_engine_row() -> Row:
+    """io.read_engine = "native": the package's native library must be installed on this host."""
+    from sglang_cp.l3 import native
+    from sglang_cp.l3.errors import L3StartupError
+
+    try:
+        lib = native.load("io.read_engine", "native")
+    except L3StartupError as e:
+        return Row("l3 io", "read_engine = native", FAIL, str(e))
+    crc = "SSE4.2" if lib.cpl3_crc32c_hardware(-1) else "a table loop (no SSE4.2: slower than the CPU allows)"
+    return Row("l3 io", "read_engine = native", OK if lib.cpl3_crc32c_hardware(-1) else WARN,
+               f"native library {native.library_path()} loaded; CRC32C on {crc}")
+
+
+def _native_digest_row(threads: int) -> Row:
+    """index.digest_threads > 0: load the native hasher as the server will and check it against
+    hashlib, so an installation without the native library fails here rather than at the server's start."""
     from sglang_cp.l3.errors import L3StartupError
     from sglang_cp.l3.native_digest import native_digests
 
     item = f"digest_threads = {threads}"
     try:
-        native_digests(index_dir, threads).close()
+        native_digests(threads).close()
     except L3StartupError as e:
         return Row("l3 index", item, FAIL, str(e))
     cores = os.cpu_count() or 1
     status = OK if threads <= cores else WARN
     more = "" if status == OK else f"; more threads than the {cores} cores: lower it"
     return Row("l3 index", item, status,
-               f"native key hasher built in {os.path.join(index_dir, 'native')} and checked against hashlib{more}")
+               f"native key hasher loaded and checked against hashlib{more}")
 
 
 def _slab_space(sub: str) -> tuple[int, list[tuple[str, int, str]]]:

@@ -6,9 +6,6 @@ MLA row shape, upstream's ``PageInterleaveHostPool`` under sharding, upstream's
 spawn is guarded by a timeout: a hang fails the test instead of wedging CI.
 """
 
-import os
-import shutil
-
 import pytest
 
 from cp_harness import PAGE, run_ranks
@@ -118,16 +115,17 @@ def test_placement_assert_passes_when_ranks_agree_and_fails_loud_when_not(l3cfg,
     assert all(r["raised"] and "placement diverged" in r["raised"] for r in bad), bad
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="index.digest_threads needs a C compiler")
-def test_native_digests_find_what_was_written_behind_upstreams_prefetch(disk_tmp):
-    """index.digest_threads = 2: upstream's prefetch asks through the native hasher for pages whose
-    index keys the write path made with hashlib; a wrong digest would read as a miss here."""
+def test_native_digests_and_reads_behind_upstreams_prefetch(disk_tmp):
+    """index.digest_threads = 2 and io.read_engine = "native" (the package's native library): upstream's
+    prefetch asks through the native hasher for pages whose index keys the write path made with hashlib,
+    and restores them through the C read engine, on CP=2 sharded ranks; a wrong digest would read as a
+    miss and a wrong byte fails the round trip's byte check, in all three payloads."""
     cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     with open(cfg) as f:
         text = f.read()
     with open(cfg, "w") as f:
-        f.write(text.replace("[index]\n", "[index]\ndigest_threads = 2\n", 1))
+        f.write(text.replace("[index]\n", "[index]\ndigest_threads = 2\n", 1)
+                    .replace("[[disks]]\n", '[io]\nread_engine = "native"\n\n[[disks]]\n', 1))
     n_pages, phase = 7, 1
     _assert_roundtrip(run_ranks(2, roundtrip, (cfg, True, n_pages, phase)), n_pages, True, phase)
     _assert_roundtrip(run_ranks(2, roundtrip, (cfg, True, n_pages, phase, "load", False)), n_pages, True, phase)
-    assert os.listdir(disk_tmp / "l3" / "index" / "native"), "the library was not built where the config says"

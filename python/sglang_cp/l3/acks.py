@@ -48,6 +48,10 @@ class OpState:
         # write_pages under durability.backup_ack = "written": a page's result is final once its pwrite
         # returned (its group commit follows); see docs_internal/l3_write_ack.md.
         self.ack_at_write = False
+        # Native reads (io.read_engine = "native"): the C engine's permission to write the caller's
+        # pages, and close_gate(wait) to revoke it; cancel and cancel_and_quiesce close it too.
+        self.gate = None
+        self.close_gate = None
         if not keys:
             self.done.set()
 
@@ -85,13 +89,19 @@ class OpState:
         """Stop pages that have not started touching caller memory; do not wait for the others."""
         with self.cond:
             self.cancelled = True
+        if self.close_gate is not None:
+            self.close_gate(False)
 
     def cancel_and_quiesce(self, deadline: Optional[float] = None) -> bool:
         """Stop pages that have not started; wait for those already touching caller memory, until
         `deadline` (time.monotonic) if given. False: some still run and the op is abandoned from now on
-        (their end_io returns True)."""
+        (their end_io returns True). Native reads' copies under way are always waited for: each is a
+        memory copy of one chunk (the engine raises past its own bound)."""
         with self.cond:
             self.cancelled = True
+        if self.close_gate is not None:
+            self.close_gate(True)
+        with self.cond:
             while self.running:
                 if deadline is None:
                     self.cond.wait()

@@ -65,6 +65,14 @@ class IoConfig:
     # caller's memory instead of copying them into staging; a page whose I/O outlives the caller's
     # bound is never indexed. docs_internal/l3_store.md, "Zero-copy writes under a timeout".
     zero_copy_writes: bool = False
+    # How reads land, are checked and reach the caller: "python" (a whole slot lands in store memory,
+    # then CRC and copy-out on a finisher thread) or "native" (l3/native_reads.py: chunk by chunk in C,
+    # checked in cache and copied once, one GIL-free call per run). docs_internal/l3_store.md,
+    # "The native read engine".
+    read_engine: str = "python"
+
+
+READ_ENGINES = ("python", "native")
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ _SCHEMA: dict[str, set[str]] = {
     "index": {"dir", "map_size_gb", "max_map_size_gb", "digest_threads"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
     "durability": {"plp_policy", "backup_ack"},
-    "io": {"threads", "max_inflight_pages", "zero_copy_writes"},
+    "io": {"threads", "max_inflight_pages", "zero_copy_writes", "read_engine"},
     "disks": {"name", "path", "capacity_gb"},
 }
 
@@ -264,7 +272,11 @@ def _parse_io(doc: dict) -> IoConfig:
     if not isinstance(zero_copy, bool):
         raise L3ConfigError(f"io.zero_copy_writes: must be true or false, got {type(zero_copy).__name__} "
                             f"{zero_copy!r}; the default is false")
-    return IoConfig(threads, inflight, zero_copy)
+    engine = t.get("read_engine", "python")
+    if engine not in READ_ENGINES:
+        raise L3ConfigError(f"io.read_engine: must be one of {', '.join(map(repr, READ_ENGINES))}, got {engine!r}; "
+                            "the default is \"python\" (\"native\" needs the package's compiled library)")
+    return IoConfig(threads, inflight, zero_copy, engine)
 
 
 def _parse_disks(doc: dict) -> tuple[DiskConfig, ...]:

@@ -40,7 +40,7 @@ class DiskSlab:
         except OSError as e:
             raise L3StartupError(
                 f"{field}: cannot open slab file '{path}' with O_DIRECT ({e.strerror}); the directory must be on "
-                "a filesystem that supports O_DIRECT (ext4/xfs, not tmpfs) and be writable") from None
+                "a filesystem that supports O_DIRECT (ext4/xfs; tmpfs only from Linux 6.6) and be writable") from None
         try:
             if os.fstat(self.fd).st_size > size:
                 os.ftruncate(self.fd, size)  # slots beyond the new count are dropped by recovery
@@ -59,6 +59,14 @@ class DiskSlab:
         if not (0 <= slot < self.num_slots):
             raise L3InvariantError(f"slab '{self.path}': slot {slot} overruns the slab ({self.num_slots} slots)")
         return slot * self.slot_bytes
+
+    def slot_offset(self, slot: int) -> int:
+        """File offset of a slot, for reads issued outside this class (the native read engine): checked
+        against the slab's size and passed through the fault seam as a read of that slot."""
+        off = self._offset(slot)
+        if self.fault_injector:
+            self.fault_injector("read", self, slot)
+        return off
 
     def write_slot(self, slot: int, image: list[memoryview]) -> None:
         self.write_slots(slot, [image])

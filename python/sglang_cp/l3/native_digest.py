@@ -7,98 +7,43 @@ the floor is spreading the digests over cores, which hashlib cannot do for short
 GIL below 2 KiB). ctypes releases the GIL for the call, so each thread hashes its slice in parallel.
 
 The digests are bit-identical to ``blob.key_digests`` (the index format does not change); the library
-is checked against hashlib when it is loaded, and a mismatch refuses the store's start.
+is checked against hashlib when the store opens, and a mismatch refuses the start.
 
-The C source ships with the package and is compiled once per host and source version with the
-system's C compiler (``$CC``, else ``cc``) into ``<index.dir>/native/``: private (0700) like the rest
-of the index directory, so no other user can swap the library this process loads. Plain C without
-Python headers, so one build serves every Python on the host.
+The C source (native/key_digests.c) is compiled by the package build into the store's native library
+(l3/native.py); nothing is compiled on the serving host.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
-import shlex
-import subprocess
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+from . import native
 from .blob import mixed_keys_error
 from .errors import L3InvariantError, L3StartupError
-from .files import check_private_file, private_dir
 
 FIELD = "index.digest_threads"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "key_digests.c")
-BUILD_TIMEOUT_S = 120.0
 WAIT_S = 30.0  # one slice of a query is microseconds of CPU; a slice not back by then is a bug
 PARALLEL_MIN = 1024  # below this many keys one call on the caller's thread is cheaper than a hand-off
 MAX_THREADS = 64
 SUB_SLICE = 4096  # keys per C call (see _slice)
 
-_loaded: dict[str, ctypes.CDLL] = {}  # library path -> handle, one per process
-_load_lock = threading.Lock()
-
 
 def _refuse(threads: int, why: str) -> L3StartupError:
-    return L3StartupError(
-        f"{FIELD} = {threads}: the native key hasher is not available ({why}); install a C compiler "
-        f"(cc or gcc on PATH, or set CC) or set {FIELD} = 0 to hash keys with hashlib")
-
-
-def _build(native_dir: str, threads: int) -> str:
-    """The compiled library for this source and compiler, built now if it is not there yet."""
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    cc = shlex.split(os.environ.get("CC", "cc"))
-    tag = hashlib.sha256(src + b"\0" + " ".join(cc).encode()).hexdigest()[:16]
-    lib = os.path.join(native_dir, f"key_digests-{tag}.so")
-    if check_private_file(lib, FIELD):  # built before (by this rank or another); mode narrowed
-        return lib
-    tmp = f"{lib}.{os.getpid()}.{threading.get_ident()}.tmp"
-    cmd = cc + ["-O3", "-shared", "-fPIC", "-o", tmp, SOURCE]
-    try:
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except FileNotFoundError:
-            raise _refuse(threads, f"no C compiler: '{cc[0]}' is not on PATH") from None
-        except subprocess.TimeoutExpired:
-            raise _refuse(threads, f"'{' '.join(cmd)}' ran past {BUILD_TIMEOUT_S:g} s") from None
-        if done.returncode != 0 or not os.path.exists(tmp):
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise _refuse(threads, f"'{' '.join(cmd)}' exited {done.returncode}: {' | '.join(tail)}")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, lib)  # atomic: a rank building at the same time replaces it with the same bytes
-    finally:
-        if os.path.lexists(tmp):  # a failed or cut build leaves nothing behind
-            os.unlink(tmp)
-    return lib
-
-
-def _load(lib: str) -> ctypes.CDLL:
-    with _load_lock:
-        h = _loaded.get(lib)
-        if h is None:
-            h = ctypes.CDLL(lib)  # ctypes.CDLL (not PyDLL): calls release the GIL
-            u8p, sz = ctypes.c_char_p, ctypes.c_size_t
-            h.cpl3_digests_sep.argtypes = [u8p, u8p, sz, u8p, sz, sz, ctypes.c_void_p]
-            h.cpl3_digests_ends.argtypes = [u8p, u8p, sz, u8p, sz, ctypes.c_void_p, sz, ctypes.c_void_p]
-            h.cpl3_digests_sep.restype = h.cpl3_digests_ends.restype = ctypes.c_int
-            _loaded[lib] = h
-        return h
+    return L3StartupError(f"{FIELD} = {threads}: the native key hasher is not usable ({why}); reinstall "
+                          f"sglang-cp on this host, or set {FIELD} = 0 to hash keys with hashlib")
 
 
 class NativeDigests:
     """digests(person, keys, prefix) -> bytes of 16 x len(keys): key i's digest at [16 i, 16 i + 16).
     Keys: all str (their UTF-8 bytes) or all bytes-like, as blob.key_digests takes them."""
 
-    def __init__(self, native_dir: str, threads: int):
+    def __init__(self, threads: int):
         if not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
             raise ValueError(f"{FIELD}: must be an integer in [1, {MAX_THREADS}], got {threads!r}")
-        private_dir(native_dir, FIELD)
-        self._lib = _load(_build(native_dir, threads))
+        self._lib = native.load(FIELD, threads)
         self.threads = threads
         # Threads are started only when a query is big enough to split (PARALLEL_MIN keys).
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="l3-digest") if threads > 1 else None
@@ -164,8 +109,8 @@ class NativeDigests:
                 raise L3InvariantError("cpl3_digests_ends refused offsets built from the keys' own lengths")
 
 
-def native_digests(index_dir: str, threads: int) -> Optional[NativeDigests]:
+def native_digests(threads: int) -> Optional[NativeDigests]:
     """The store's native hasher for index.digest_threads (None when 0: hashlib, the default)."""
     if threads == 0:
         return None
-    return NativeDigests(os.path.join(index_dir, "native"), threads)
+    return NativeDigests(threads)

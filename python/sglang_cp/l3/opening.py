@@ -96,9 +96,10 @@ def open_state(config: L3Config, rank: int, ranks_per_node: int, payloads: dict[
         private_dir(slab_dir, f"disks[{disk_i}].path")  # the namespace's own directory
     index_dir = config.index_dir
     private_dirs(index_dir, "index.dir")
-    # index.digest_threads > 0: the hit query's digests in C over threads (built here, before
-    # anything is opened, so a host without a compiler is refused with nothing to undo).
-    native = native_digests(config.index.dir, config.index.digest_threads)
+    # index.digest_threads > 0: the hit query's digests in C over threads (loaded and checked here,
+    # before anything is opened, so an installation without the native library is refused with
+    # nothing to undo).
+    native = native_digests(config.index.digest_threads)
     # Exclusive ownership of this rank's slabs and index entries before anything destructive (slab
     # truncation, cold start), held until close(): a second opener fails here (l3/ownership.py).
     owner = owner or f"L3 rank {rank}"

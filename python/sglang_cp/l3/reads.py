@@ -6,7 +6,10 @@ read I/O thread. land (I/O thread): one preadv of whole slot extents into a land
 owns; a failed or short run is read again page by page. verify + deliver (finisher thread): header
 identity and payload CRC32C per page, then a copy into the caller's buffer, unless the caller gave up.
 So a read that never comes back cannot touch the caller's pages, and the I/O thread's next preadv does
-not wait for the copy.
+not wait for the copy. With io.read_engine = "native" (native_reads.py) land, verify and deliver are one
+C call per run on the I/O thread, chunk by chunk, and the caller's pages are written only through the
+op's gate, which OpState closes at the caller's bound; the index lookup, permits, results and bad-page
+handling here are shared by both engines.
 
 What it uses of the shared state (StoreState), and so what a replacement must keep doing: `index` and
 `written_entries` to find pages; `pool`, `digest`, `new_op`, `finish`, `count`/`fault`, `touch` + `now`
@@ -22,6 +25,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import native
 from .acks import AckKind, OpState
 from .aligned import huge_aligned_view
 from .blob import BlobError
@@ -29,6 +33,7 @@ from .errors import L3InvariantError
 from .index import IndexEntry, IndexFull, IndexUnavailable, index_key
 from .io_pool import IoPool
 from .messages import Drop
+from .native_reads import NativeReader
 from .payload_pool import PayloadPool
 from .staging import Tokens
 from .state import CONTROL_TIMEOUT_S, StoreState, page_view
@@ -48,12 +53,16 @@ class ReadPath:
     def __init__(self, st: StoreState):
         self.st = st
         threads = st.config.io.threads
+        # io.read_engine = "native": each run is one C call on its I/O thread (native_reads.py), with a
+        # chunk buffer per thread instead of landing areas and no finisher hop.
+        self._native = NativeReader(threads) if st.config.io.read_engine == "native" else None
         # Where reads land before they are copied out, allocated (and faulted in: first touch is slow on
         # VMs) when the store opens, before cold start. An area is taken for one preadv and comes back
         # only after its pages were copied out, so a preadv stuck in the kernel keeps its area for good
         # and a late completion lands where nobody looks.
         self._landing_free = {
-            p.name: [huge_aligned_view(_landing_bytes(p)) for _ in range(_LANDING_PER_THREAD * threads)]
+            p.name: [] if self._native else [huge_aligned_view(_landing_bytes(p))
+                                              for _ in range(_LANDING_PER_THREAD * threads)]
             for p in st.pools.values()}
         self._landing_cond = threading.Condition()
         self._permits = max(st.config.io.max_inflight_pages, threads)
@@ -83,6 +92,9 @@ class ReadPath:
             raise ValueError(f"submit_read: {len(keys)} keys but {len(outs)} outs; pass one buffer per key")
         views = [page_view(pool, o, i, "outs", writable=True) for i, o in enumerate(outs)]
         op = st.new_op(keys, sync, AckKind.READ)
+        if self._native is not None:
+            gate = op.gate = self._native.new_gate()
+            op.close_gate = lambda wait: self._native.close_gate(gate, wait)
         digests = list(map(st.digest, keys))
         ikeys = [index_key(pool.tag, d, st.rank) for d in digests]
         with st.lock:
@@ -120,7 +132,7 @@ class ReadPath:
             with st.lock:
                 st.reads_inflight += len(run)
             items = [(i, ikeys[i], digests[i], entries[i], views[i]) for _, i in run]
-            st.submit_io(self._rio, self._read_io, op, pool, items)
+            st.submit_io(self._rio, self._read_io if self._native is None else self._read_io_native, op, pool, items)
         return op
 
     def _acquire_permits(self, n: int, deadline: Optional[float]) -> bool:
@@ -133,9 +145,15 @@ class ReadPath:
 
     def _runs(self, pool: PayloadPool, todo: list[tuple[int, int]]) -> list:
         """Group pages of consecutive slots into coalesced reads (<= _READ_IO_BYTES, and at least
-        2 x io.threads requests when there is enough work)."""
+        2 x io.threads requests when there is enough work). The native engine reads page by page in
+        chunks, so its runs need not be consecutive and are sized only to spread the pages over the
+        threads (each run is one call, whose Python cost is paid once)."""
         threads = self.st.config.io.threads
-        per_io = max(1, min(_READ_IO_BYTES // pool.extent, -(-len(todo) // (2 * threads)), self._permits // 2))
+        spread = -(-len(todo) // (2 * threads))
+        if self._native is not None:
+            per_io = max(1, min(spread, self._permits // 2))
+            return [todo[k:k + per_io] for k in range(0, len(todo), per_io)]
+        per_io = max(1, min(_READ_IO_BYTES // pool.extent, spread, self._permits // 2))
         runs, run = [], []
         for slot, i in todo:
             if run and (len(run) >= per_io or slot != run[-1][0] + 1):
@@ -215,6 +233,39 @@ class ReadPath:
             got.append(ok)
         return got
 
+    def _read_io_native(self, op: OpState, pool: PayloadPool, items: list) -> None:
+        """io.read_engine = "native": the run in one C call (read, check, deliver through the op's gate),
+        then each page's result, on this I/O thread."""
+        oks = [False] * len(items)
+        try:
+            if op.cancelled:  # the sync caller timed out: skip the I/O
+                return
+            todo, offsets = [], []
+            for k, (_, _, _, e, _) in enumerate(items):
+                try:
+                    offsets.append(pool.slab.slot_offset(e.slot))  # the slab's fault seam sees each read
+                    todo.append(k)
+                except OSError as err:
+                    self.st.fault("read_errors", f"read-{err.errno}", "L3 read of %s slot %d failed: %s",
+                                  pool.name, e.slot, err)
+            if not todo:
+                return
+            got = self._native.read(pool, [items[k][3].slot for k in todo], offsets, [items[k][2] for k in todo],
+                                    [items[k][4] for k in todo], op.gate)
+            for k, status, detail in zip(todo, got["status"].tolist(), got["detail"].tolist()):
+                if status == native.OK:
+                    oks[k] = True
+                elif status == native.READ_ERROR:
+                    self.st.fault("read_errors", f"read-{detail}", "L3 read of %s slot %d failed: errno %d",
+                                  pool.name, items[k][3].slot, detail)
+                elif status != native.CANCELLED:
+                    self._bad_page(pool, items[k][1], items[k][3], _native_blob_error(status, detail, pool))
+        except BaseException as err:  # a bug in our own code: fail loud on the caller's next call
+            self.st.set_fatal(err)
+        finally:
+            for k, (i, ikey, _, _, _) in enumerate(items):
+                self._page_done(op, i, pool, ikey, oks[k])
+
     # ---------------------------------------------------------------- verify + deliver (finisher thread)
 
     def _finish_read(self, op: OpState, pool: PayloadPool, items: list, area: memoryview, got: list[bool]) -> None:
@@ -289,6 +340,16 @@ def _deliver(op: OpState, pairs: list[tuple[memoryview, memoryview]], oks: list[
     finally:
         op.end_io()
     return oks
+
+
+def _native_blob_error(status: int, detail: int, pool: PayloadPool) -> BlobError:
+    """The BlobError the Python engine raises for the same fault (so the same counters move)."""
+    reason = native.BLOB_REASONS[status]
+    if status == native.SHORT_READ:
+        return BlobError(reason, f"{detail}/{pool.extent} B")
+    if status == native.FOREIGN:
+        return BlobError(reason, native.FOREIGN_DETAIL.get(detail, ""))
+    return BlobError(reason)
 
 
 def _landing_bytes(pool: PayloadPool) -> int:

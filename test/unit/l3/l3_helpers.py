@@ -13,12 +13,17 @@ def fs_type(path: str) -> str:
     return out.stdout.strip()
 
 
+# io.read_engine of every config_doc that does not set it: conftest.py's `read_engine` fixture runs the
+# read-path test modules (READ_PATH_MODULES there) once per engine.
+READ_ENGINE = {"engine": "python"}
+
+
 def config_doc(root: str, *, capacity_gb: float = 0.02, two_disks: bool = False, **sections) -> dict:
     doc = {
         "index": {"dir": os.path.join(root, "idx"), "map_size_gb": 0.004},
         "durability": {"plp_policy": "ignore"},
         "gc": {},
-        "io": {"threads": 4, "max_inflight_pages": 64},
+        "io": {"threads": 4, "max_inflight_pages": 64, "read_engine": READ_ENGINE["engine"]},
         "disks": [{"name": "d0", "path": os.path.join(root, "d0"), "capacity_gb": capacity_gb}],
     }
     if two_disks:

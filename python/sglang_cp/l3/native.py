@@ -1,0 +1,102 @@
+"""The L3 store's native library (sglang_cp/l3/_native), loaded with ctypes.
+
+The package build compiles `native/*.c` into the stable-ABI extension `sglang_cp.l3._native` (setup.py);
+nothing is compiled on a serving host. Its functions are plain C called through ctypes, which releases
+the GIL for each call, so I/O threads and digest threads run them in parallel:
+  cpl3_crc32c             CRC32C (SSE4.2, three chains), the checksum of every blob
+  cpl3_read_pages         the native read engine (io.read_engine = "native"): native_reads.py
+  cpl3_gate_close         closes an operation's permission to write the caller's pages
+  cpl3_digests_sep/_ends  the hit query's key digests (index.digest_threads > 0): native_digest.py
+A build without a C compiler installs without the library; a store configured to use it then refuses
+to start with the field and the fix (`unavailable`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import threading
+from typing import Optional
+
+import numpy as np
+
+from .errors import L3InvariantError, L3StartupError
+
+MODULE = "sglang_cp.l3._native"
+
+# Mirror of cpl3_read_item (read_pages.c); its size is checked against the library's at load.
+READ_ITEM = np.dtype([("offset", "<u8"), ("dst", "<u8"), ("slot", "<u4"), ("reserved", "<u4"),
+                      ("digest", "V16"), ("status", "<i4"), ("detail", "<i4")])
+# cpl3_read_item.status
+OK, READ_ERROR, SHORT_READ, BAD_MAGIC, HEADER_CRC, BAD_VERSION, FOREIGN, CRC_MISMATCH, CANCELLED = (
+    1, -1, -2, -3, -4, -5, -6, -7, -8)
+# The BlobError reason (and so the counter) of each failed status, as the Python read path names it.
+BLOB_REASONS = {SHORT_READ: "short_read", BAD_MAGIC: "bad_magic", HEADER_CRC: "header_crc",
+                BAD_VERSION: "bad_version", FOREIGN: "foreign_blob", CRC_MISMATCH: "crc_mismatch"}
+FOREIGN_DETAIL = {1: "payload/rank/length differ", 2: "slot differs", 3: "key digest differs"}
+
+
+class Gate(ctypes.Structure):
+    """cpl3_gate: an operation's permission to write the caller's pages (closed, copying)."""
+    _fields_ = [("closed", ctypes.c_int32), ("copying", ctypes.c_int32)]
+
+
+_lib: Optional[ctypes.CDLL] = None
+_lock = threading.Lock()
+
+
+def library_path() -> Optional[str]:
+    spec = importlib.util.find_spec(MODULE)
+    return spec.origin if spec is not None and spec.origin else None
+
+
+def unavailable(field: str, value) -> L3StartupError:
+    return L3StartupError(
+        f"{field} = {value!r} needs the sglang-cp native library ({MODULE}), which this installation lacks "
+        "(the package was built without a C compiler); install gcc or cc and reinstall sglang-cp "
+        f"(pip install --force-reinstall --no-deps <sglang-cp>), or set {field} back to its default")
+
+
+def load(field: str, value) -> ctypes.CDLL:
+    """The library, loaded once per process; L3StartupError naming `field` when it is not installed."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        if path is None:
+            raise unavailable(field, value)
+        try:
+            lib = ctypes.CDLL(path)  # CDLL, not PyDLL: each call releases the GIL
+        except OSError as e:
+            raise L3StartupError(f"{field} = {value!r}: cannot load the sglang-cp native library {path} ({e}); "
+                                 "reinstall sglang-cp on this host, or set the field back to its default") from None
+        _declare(lib)
+        if lib.cpl3_read_item_size() != READ_ITEM.itemsize or lib.cpl3_gate_size() != ctypes.sizeof(Gate):
+            raise L3InvariantError(f"{path}: its structures differ from sglang_cp.l3.native's mirror; the "
+                                   "library and the Python package come from different builds")
+        _lib = lib
+        return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, u8p, sz, u32, u64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint64
+    lib.cpl3_crc32c.argtypes = [u32, vp, sz]
+    lib.cpl3_crc32c.restype = u32
+    lib.cpl3_crc32c_hardware.argtypes = [ctypes.c_int]
+    lib.cpl3_crc32c_hardware.restype = ctypes.c_int
+    lib.cpl3_read_pages.argtypes = [ctypes.c_int, u32, u32, u64, u64, vp, u64, vp, u64, ctypes.POINTER(Gate)]
+    lib.cpl3_read_pages.restype = ctypes.c_int
+    lib.cpl3_gate_close.argtypes = [ctypes.POINTER(Gate), ctypes.c_double]
+    lib.cpl3_gate_close.restype = ctypes.c_int
+    lib.cpl3_read_item_size.restype = lib.cpl3_gate_size.restype = u64
+    lib.cpl3_digests_sep.argtypes = [u8p, u8p, sz, u8p, sz, sz, vp]
+    lib.cpl3_digests_ends.argtypes = [u8p, u8p, sz, u8p, sz, vp, sz, vp]
+    lib.cpl3_digests_sep.restype = lib.cpl3_digests_ends.restype = ctypes.c_int
+
+
+def crc32c(data, value: int = 0) -> int:
+    """The library's CRC32C of a buffer (the same values as the crc32c package)."""
+    lib = load("crc32c", "native")
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return lib.cpl3_crc32c(value, arr.ctypes.data, arr.nbytes)
