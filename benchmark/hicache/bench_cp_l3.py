@@ -1,5 +1,5 @@
 """Upstream's HiCache storage path, side by side: upstream's `file` backend vs our L3,
-without CP and under CP=2/4 with KV sharding.
+without CP and under CP=2/4 (``--cp``, e.g. 1,4,8: 8 = a whole node) with KV sharding.
 
 Every configuration runs the same workload through the same upstream code: real gloo
 rank processes, each with a real ``MLATokenToKVPoolHost`` in GLM-5's MLA row shape and
@@ -25,8 +25,18 @@ its own raw row over the same two directories, and print each CP=2 rank against 
 on its own device. Two directories on one filesystem are refused; two on one disk underneath
 (loop images on it) run with a warning, since they cannot show scaling.
 
+``--read-engine python|native|both``: io.read_engine of our rows (one row per engine). Every row also
+reports CPU seconds per GB (all threads of all the node's processes: what a rank's restore costs in
+cores, so what it can reach on a host with more cores than this one).
+
+The software's ceiling: point ``--dir`` at a device faster than the software, i.e. memory. On Linux >= 6.6
+tmpfs accepts O_DIRECT (``/dev/shm``); on older kernels use ext4 on a loop file in /dev/shm
+(``scripts/ram_disk.sh`` sets up either and prints the directory). The raw rows then measure memory
+copies, and "x raw" says how much of the machine the software leaves on the table.
+
     python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
-        [--backup-ack durable|written|operation|both|LIST] [--zero-copy off|on|both] [--phases] [--no-file]
+        [--cp 1,2,4[,8]] [--read-engine python|native|both] [--backup-ack durable|written|operation|both|LIST]
+        [--zero-copy off|on|both] [--phases] [--no-file]
 """
 
 from __future__ import annotations
@@ -134,6 +144,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
 
         hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
         r.dist.barrier()
+        c0 = cpu_s()
         t0 = time.perf_counter()
         backed = r.backup(tokens, hi, timeout=600, hashes=hashes)
         t_ack = time.perf_counter() - t0
@@ -144,6 +155,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             finally:
                 os.close(fd)
         t_write = time.perf_counter() - t0
+        cpu_write = cpu_s() - c0
         phase_report = probes.report(t0, t_ack) if probes is not None else None
         r.group.free(hi)
         r.zero_host()
@@ -153,23 +165,45 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         else:
             dropped = None
         r.dist.barrier()
+        c1 = cpu_s()
         t1 = time.perf_counter()
         hit, completed, hi2 = r.prefetch(tokens, timeout=600)
         t_read = time.perf_counter() - t1
+        cpu_read = cpu_s() - c1
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         zero_copy_pages = r.backend.store.stats()["counters"]["zero_copy_pages"] if backend == "cp_l3" else 0
         return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
                 "backed": backed,
-                "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "hit": hit, "completed": completed,
+                "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
+                "hit": hit, "completed": completed,
                 "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report}
     finally:
         r.close()
+
+
+def cpu_s() -> float:
+    """CPU seconds of this whole process (every thread: upstream's controller threads and the store's)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def page_nbytes(layers: int) -> int:
     from cp_harness import GLM5_KV_LORA, GLM5_ROPE
 
     return PAGE * (GLM5_KV_LORA + GLM5_ROPE) * 2 * layers  # bf16 MLA rows, page_first: one page = all layers
+
+
+def aligned_pages(nbytes: int):
+    """Page-aligned anonymous memory, faulted in (first touch is not part of a timed read)."""
+    import mmap
+
+    import numpy as np
+
+    a = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    a[::4096] = 0
+    return a
 
 
 def open_raw(path: str, size: int) -> int:
@@ -188,13 +222,13 @@ def run_raw(world, dirs, args, pages):
 
     nbytes = page_nbytes(args.layers)
     n_pages = -(-pages // world)  # pages each rank owns (sharded) or all of them (world 1)
-    raw_buf = np.empty(nbytes + 4096, np.uint8)
-    src = raw_buf[(-raw_buf.ctypes.data) % 4096:][:nbytes]
-    src[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    dst_bufs = []
-    for _ in range(world * args.threads):
-        b = np.empty(nbytes + 4096, np.uint8)
-        dst_bufs.append(b[(-b.ctypes.data) % 4096:][:nbytes])
+    # Writers write from, and readers land in, memory as large as a rank's host pool share, as the ranks
+    # do: one reused page would stay in the CPU cache, which on a RAM-speed --dir makes raw a cache copy.
+    src = aligned_pages(n_pages * nbytes)
+    src[:nbytes] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    for p in range(1, n_pages):
+        src[p * nbytes:(p + 1) * nbytes] = src[:nbytes]
+    dst_bufs = [aligned_pages(n_pages * nbytes) for _ in range(world)]
     out = []
     for rep in range(args.reps):
         fds = [open_raw(os.path.join(dirs[i % len(dirs)], f"raw-{i}.bin"), n_pages * nbytes) for i in range(world)]
@@ -203,28 +237,33 @@ def run_raw(world, dirs, args, pages):
 
             def writer(i):
                 with ThreadPoolExecutor(args.threads) as ex:
-                    list(ex.map(lambda p: os.pwrite(fds[i], src, p * nbytes), range(n_pages)))
+                    list(ex.map(lambda p: os.pwrite(fds[i], src[p * nbytes:(p + 1) * nbytes], p * nbytes),
+                                range(n_pages)))
                 os.fdatasync(fds[i])
                 return time.perf_counter()  # this writer's own end: the per-rank raw figure (--disks)
 
             def reader(i):
                 def one(p):
-                    assert os.preadv(fds[i], [dst_bufs[i * args.threads + p % args.threads]], p * nbytes) == nbytes
+                    assert os.preadv(fds[i], [dst_bufs[i][p * nbytes:(p + 1) * nbytes]], p * nbytes) == nbytes
                 with ThreadPoolExecutor(args.threads) as ex:
                     list(ex.map(one, range(n_pages)))
                 return time.perf_counter()
-            t0 = time.perf_counter()
+            c0, t0 = cpu_s(), time.perf_counter()
             with ThreadPoolExecutor(world) as ex:
                 tw = [t - t0 for t in ex.map(writer, range(world))]
+            cw = cpu_s() - c0
             dropped = drop_caches()
-            t0 = time.perf_counter()
+            c0, t0 = cpu_s(), time.perf_counter()
             with ThreadPoolExecutor(world) as ex:
                 tr = [t - t0 for t in ex.map(reader, range(world))]
+            cr = cpu_s() - c0
         finally:
             for i, fd in enumerate(fds):
                 os.close(fd)
                 os.unlink(os.path.join(dirs[i % len(dirs)], f"raw-{i}.bin"))
+        # One process ran every writer: its CPU time is the node's, reported on writer 0.
         out.append([{"rank": i, "owned_pages": n_pages, "page_bytes": nbytes, "t_write": tw[i], "t_read": tr[i],
+                     "cpu_write": cw if i == 0 else 0.0, "cpu_read": cr if i == 0 else 0.0,
                      "dropped": dropped if i == 0 else None} for i in range(world)])
     return out
 
@@ -262,7 +301,8 @@ def _insert_before(cfg, table, before, after):
         f.write(text.replace(table, before + table + after, 1))
 
 
-def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable", zero_copy=False):
+def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable", zero_copy=False,
+               engine="python"):
     from sglang_cp.cli import write_demo_config
 
     results = []
@@ -284,7 +324,8 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
             _insert_before(cfg, "[durability]\n", "", f'backup_ack = "{ack}"\n')
         # io.threads = the raw rows' requests in flight per writer (--threads), so each ratio compares the
         # same concurrency; io.zero_copy_writes (docs_internal/l3_store.md, "Zero-copy writes under a timeout").
-        io = f"[io]\nthreads = {args.threads}\n" + ("zero_copy_writes = true\n" if zero_copy else "")
+        io = (f"[io]\nthreads = {args.threads}\n" + ("zero_copy_writes = true\n" if zero_copy else "")
+              + f'read_engine = "{engine}"\n')
         _insert_before(cfg, "[[disks]]\n", io + "\n", "")
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
@@ -320,7 +361,11 @@ def summarize(name, results):
            "read_gbps_rank": med(rgb), "bytes_rank": per_rank_bytes[0], "world": len(results[0]),
            "node_write_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, w)]),
            "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
-           "dropped": all(r["dropped"] for rep in results for r in rep if r["dropped"] is not None)}
+           "dropped": all(r["dropped"] for rep in results for r in rep if r["dropped"] is not None),
+           # CPU seconds of every process of the node (ranks, or the raw process) per GB moved
+           "read_cpu_s_per_gb": med([sum(r["cpu_read"] for r in rep) / (b / 1e9) for rep, b in zip(results, node_bytes)]),
+           "write_cpu_s_per_gb": med([sum(r["cpu_write"] for r in rep) / (b / 1e9)
+                                      for rep, b in zip(results, node_bytes)])}
     # Per rank (each rank's own bytes / its own time): the --disks table sets these against the raw
     # writer on the same device.
     out["per_rank"] = [{"rank": i, "write_gbps": med([b / t / 1e9 for b, t in rk(i, "t_write")]),
@@ -436,6 +481,11 @@ def main():
                         "(one row per value after each config); 'both' = durable,written")
     p.add_argument("--zero-copy", default="off", choices=("off", "on", "both"),
                    help="io.zero_copy_writes of our rows; 'both' adds a 'zero-copy' row after each copying one")
+    p.add_argument("--cp", default="1,2,4",
+                   help="CP sizes, comma separated: each N runs 'raw O_DIRECT, N writers' and 'ours, CP=N sharded' "
+                        "(N=1: '1 writer' and 'ours, CP=1'); 8 = a node of eight ranks")
+    p.add_argument("--read-engine", default="python",
+                   help="io.read_engine of our rows: python, native, or both (one row per engine)")
     p.add_argument("--phases", action="store_true",
                    help="record per-phase timestamps of each rank's backup in our rows and print where the time goes")
     args = p.parse_args()
@@ -451,10 +501,20 @@ def main():
     from rich.table import Table
     from tqdm import tqdm
 
-    configs = [("upstream file, CP=1", "file", 1, False, None), ("raw O_DIRECT, 1 writer", "raw", 1, False, None),
-               ("ours, CP=1", "cp_l3", 1, False, None),
-               ("raw O_DIRECT, 2 writers", "raw", 2, True, None), ("ours, CP=2 sharded", "cp_l3", 2, True, None),
-               ("raw O_DIRECT, 4 writers", "raw", 4, True, None), ("ours, CP=4 sharded", "cp_l3", 4, True, None)]
+    try:
+        cps = [int(x) for x in args.cp.split(",")]
+        if not cps or min(cps) < 1 or max(cps) > 64:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--cp: pass CP sizes in [1, 64], comma separated (e.g. 1,4,8), got {args.cp!r}")
+    engines = ["python", "native"] if args.read_engine == "both" else args.read_engine.split(",")
+    if any(e not in ("python", "native") for e in engines):
+        p.error(f"--read-engine: pass python, native or both, got {args.read_engine!r}")
+    configs = [("upstream file, CP=1", "file", 1, False, None)] if 1 in cps else []
+    for n in cps:
+        configs += ([("raw O_DIRECT, 1 writer", "raw", 1, False, None), ("ours, CP=1", "cp_l3", 1, False, None)]
+                    if n == 1 else [(f"raw O_DIRECT, {n} writers", "raw", n, True, None),
+                                    (f"ours, CP={n} sharded", "cp_l3", n, True, None)])
     disks = args.disks.split(",") if args.disks else None
     if disks:
         if len(disks) != 2 or not all(os.path.isdir(x) for x in disks):
@@ -475,23 +535,25 @@ def main():
     rows = []
     for name, backend, world, sharded, dk in configs:
         if backend != "cp_l3":
-            rows.append((name, backend, world, sharded, dk, "durable", False))
+            rows.append((name, backend, world, sharded, dk, "durable", False, "python"))
             continue
         for ack in acks:
             for zc in zcs:
-                label = name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
-                rows.append((label, backend, world, sharded, dk, ack, zc))
+                for engine in engines:
+                    label = (name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
+                             + (", native reads" if engine == "native" else ""))
+                    rows.append((label, backend, world, sharded, dk, ack, zc, engine))
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
     try:
         for pages in sizes:
-            for name, backend, world, sharded, dk, ack, zc in tqdm(rows, desc=f"configs, {pages} pages"):
+            for name, backend, world, sharded, dk, ack, zc, engine in tqdm(rows, desc=f"configs, {pages} pages"):
                 if backend == "raw":
                     s = summarize(name, run_raw(world, dk or [workdir], args, pages))
                 else:
                     s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack,
-                                                   zc))
-                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc)
+                                                   zc, engine))
+                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc, read_engine=engine)
                 summaries.append(s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -510,7 +572,7 @@ def main():
                             "pages are durable, its batches staged without waiting); read = cold prefetch")
         for col in ("config", "bytes/rank", "write GB/s/rank", "read GB/s/rank", "backup s (e2e)",
                     "prefetch s (e2e)", "node write GB/s", "node read GB/s", "node W x raw", "node R x raw",
-                    "write x file", "read x file"):
+                    "write x file", "read x file", "write CPU s/GB", "read CPU s/GB"):
             table.add_column(col, justify="right")
         for s in group:
             r = raw.get((s["world"], s["disks"]))
@@ -520,7 +582,8 @@ def main():
                           fmt(s["read_gbps_rank"]), fmt(s["write_s"]), fmt(s["read_s"]),
                           fmt(s["node_write_gbps"]), fmt(s["node_read_gbps"]), *vs_raw,
                           *((f"{base['write_s'][0] / s['write_s'][0]:.2f}x",
-                             f"{base['read_s'][0] / s['read_s'][0]:.2f}x") if base else ("-", "-")))
+                             f"{base['read_s'][0] / s['read_s'][0]:.2f}x") if base else ("-", "-")),
+                          f"{s['write_cpu_s_per_gb'][0]:.3f}", f"{s['read_cpu_s_per_gb'][0]:.3f}")
         console.print(table)
         if disks:
             from sglang_cp.l3.devices import disk_chain
@@ -530,7 +593,8 @@ def main():
     print_phases(console, summaries)
     print("page cache dropped before every cold read:", all(s["dropped"] for s in summaries))
     print("node = all ranks' bytes / time until the last rank is done; 'x raw' = against the raw row with as many "
-          "writers on the same disk(s) in this run; file and CP=1 ours compare with the 1-writer raw row.")
+          "writers on the same disk(s) in this run; file and CP=1 ours compare with the 1-writer raw row. CPU s/GB: CPU "
+          "seconds of every process of the node (rank processes, or the one raw process) per GB moved, median.")
     print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         with open(args.json, "w") as f:

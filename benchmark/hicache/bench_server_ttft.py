@@ -91,7 +91,7 @@ def prompt(n: int, seed: int) -> list:
     return [rng.randrange(3, 30000) for _ in range(n)]
 
 
-def write_l3_toml(root: str, capacity_gb: float, threads: int) -> str:
+def write_l3_toml(root: str, capacity_gb: float, threads: int, read_engine: str = "python") -> str:
     index, data = os.path.join(root, "index"), os.path.join(root, "data")
     for d in (index, data):
         os.makedirs(d, mode=0o700, exist_ok=True)
@@ -99,7 +99,7 @@ def write_l3_toml(root: str, capacity_gb: float, threads: int) -> str:
     with open(path, "w") as f:
         f.write(f'[index]\ndir = "{index}"\nmap_size_gb = 1.0\nmax_map_size_gb = 8.0\n'
                 f'[durability]\nplp_policy = "ignore"\n'
-                f'[io]\nthreads = {threads}\nmax_inflight_pages = 256\n'
+                f'[io]\nthreads = {threads}\nmax_inflight_pages = 256\nread_engine = "{read_engine}"\n'
                 f'[[disks]]\nname = "d0"\npath = "{data}"\ncapacity_gb = {capacity_gb:.1f}\n')
     return path
 
@@ -122,11 +122,11 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     if free < capacity + 5:
         raise SystemExit(f"--work-dir {args.work_dir}: {free:.0f} GB free, the L3 slabs need {capacity:.0f} GB")
     host_gb = args.hicache_size or max(4, int(1.25 * working_set / GB) + 2)
-    cfg = write_l3_toml(work, capacity, args.io_threads)
+    cfg = write_l3_toml(work, capacity, args.io_threads, args.read_engine)
     data_dir = os.path.join(work, "data")
     res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
            "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout,
-           "attention_backend": args.attention_backend}
+           "attention_backend": args.attention_backend, "read_engine": args.read_engine}
 
     log(f"[{name}] raw disk probe ({args.raw_gib} GiB O_DIRECT, {args.io_threads} threads) in {data_dir}")
     raw0 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
@@ -340,6 +340,7 @@ def main(argv=None):
     r.add_argument("--server-arg", action="append", metavar="ARG",
                    help="one more launch_server argument, repeatable (e.g. --server-arg=--chunked-prefill-size=16384)")
     r.add_argument("--io-threads", type=int, default=8)
+    r.add_argument("--read-engine", default="python", choices=["python", "native"], help="io.read_engine of L3")
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--spill-timeout", type=float, default=300)
