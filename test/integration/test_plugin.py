@@ -56,35 +56,62 @@ def test_upstream_load_plugins_picks_us_up_and_flags_parse(tmp_path):
     assert flags["cp_l3_cold_start"] == "clear"
 
 
-@pytest.mark.parametrize(
-    "argv, needle",
-    [
-        (["--enable-cp-l3"], "--enable-cp-l3 needs --enable-hierarchical-cache"),
-        (["--enable-hierarchical-cache", "--enable-cp-l3"], "--enable-cp-l3 needs --cp-l3-config"),
-        (["--cp-l3-config", "x.toml"], "--cp-l3-config is given but --enable-cp-l3 is not"),
-        (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "/nonexistent/l3.toml"],
-         "--cp-l3-config '/nonexistent/l3.toml': no such file"),
-        (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
-          "--hicache-storage-backend", "file"], "excludes --hicache-storage-backend file"),
-        (["--enable-cp-shared-physical-l2-hicache"],
-         "--enable-cp-shared-physical-l2-hicache needs --enable-hierarchical-cache"),
-        (["--enable-hierarchical-cache", "--enable-cp-shared-physical-l2-hicache",
-          "--cp-shared-l2-hugetlbfs-dir", "/nonexistent/huge"], "is not a directory"),
-        (["--cp-hicache-max-slab-gb", "0"], "--cp-hicache-max-slab-gb must be > 0"),
-        (["--cp-hicache-placement-assert"], "--cp-hicache-placement-assert checks HiCache"),
-    ],
+VALIDATION_CASES = [
+    (["--enable-cp-l3"], "--enable-cp-l3 needs --enable-hierarchical-cache"),
+    (["--enable-hierarchical-cache", "--enable-cp-l3"], "--enable-cp-l3 needs --cp-l3-config"),
+    (["--cp-l3-config", "x.toml"], "--cp-l3-config is given but --enable-cp-l3 is not"),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "/nonexistent/l3.toml"],
+     "--cp-l3-config '/nonexistent/l3.toml': no such file"),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+      "--hicache-storage-backend", "file"], "excludes --hicache-storage-backend file"),
+    (["--enable-cp-shared-physical-l2-hicache"],
+     "--enable-cp-shared-physical-l2-hicache needs --enable-hierarchical-cache"),
+    (["--enable-hierarchical-cache", "--enable-cp-shared-physical-l2-hicache",
+      "--cp-shared-l2-hugetlbfs-dir", "/nonexistent/huge"], "is not a directory"),
+    (["--cp-hicache-max-slab-gb", "0"], "--cp-hicache-max-slab-gb must be > 0"),
+    (["--cp-hicache-placement-assert"], "--cp-hicache-placement-assert checks HiCache"),
+    (["--cp-l3-cold-start", "maybe"], "--cp-l3-cold-start must be one of clear, load, verify; got 'maybe'."),
+]
+
+# Every case through the real plugin and parser, in one fresh interpreter: each command line is parsed
+# and resolved on its own (nothing of one reaches the next), and one sglang import serves all of them.
+PARSE_EACH = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    out = []
+    for argv in json.loads(ARGVS):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                prepare_server_args(argv).resolve_once()
+            out.append(["OK", ""])
+        except SystemExit as e:
+            out.append(["EXIT", str(e.code) + " " + err.getvalue()])
+        except Exception as e:
+            out.append([type(e).__name__, str(e) + " " + err.getvalue()])
+    print("RESULTS", json.dumps(out))
+    """
 )
-def test_validation_errors_name_flag_and_fix(argv, needle):
-    p = parse(["--model-path", "dummy", *argv])
-    assert p.returncode == 3, p.stdout + p.stderr
-    assert "CpArgsError" in p.stdout and needle in p.stdout, p.stdout
 
 
-def test_bad_choice_is_rejected_naming_the_choices_without_sglangs_usage():
-    p = parse(["--model-path", "dummy", "--cp-l3-cold-start", "maybe"])
-    assert p.returncode == 3, p.stdout + p.stderr
-    assert "CpArgsError --cp-l3-cold-start must be one of clear, load, verify; got 'maybe'." in p.stdout
-    assert "usage:" not in p.stdout + p.stderr
+@pytest.fixture(scope="module")
+def validation_results():
+    argvs = [["--model-path", "dummy", *argv] for argv, _ in VALIDATION_CASES]
+    p = run_py(PARSE_EACH.replace("ARGVS", repr(json.dumps(argvs))))
+    assert p.returncode == 0 and "RESULTS" in p.stdout, p.stdout + p.stderr
+    return json.loads(p.stdout.split("RESULTS", 1)[1])
+
+
+@pytest.mark.parametrize("case", range(len(VALIDATION_CASES)),
+                         ids=[needle[:40] for _, needle in VALIDATION_CASES])
+def test_validation_errors_name_flag_and_fix(validation_results, case):
+    kind, message = validation_results[case]
+    needle = VALIDATION_CASES[case][1]
+    assert kind == "CpArgsError" and needle in message, (VALIDATION_CASES[case], kind, message)
+    assert "usage:" not in message  # one line, not sglang's whole usage
 
 
 def test_the_sglang_pin_is_pyprojects():
