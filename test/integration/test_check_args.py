@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from suite_helpers import REPO
+from suite_helpers import REPO, run_all
 from sglang_cp.cli import write_demo_config
 
 BIN = os.path.join(os.path.dirname(sys.executable), "sglang-cp")
@@ -26,14 +26,51 @@ TINY_MLA = os.path.join(REPO, "test", "gpu", "models", "tiny-dsv3")  # a Deepsee
 HUB_ID = "sglang-cp-test/not-a-real-model"
 
 
-def check_args(*argv, env_extra=None, drop=()):
+def job(*argv, env_extra=None, drop=()):
     env = dict(os.environ, COLUMNS="200", PYTHONWARNINGS="ignore")
     for k in ("SGLANG_CP_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", *drop):
         env.pop(k, None)
     env.update(env_extra or {})
+    return [BIN, "check-args", "--", *argv], {"env": env}
+
+
+def check_args(*argv, env_extra=None, drop=()):
+    """One run now, timed (the hub tests bound its wall time, so it runs alone)."""
+    cmd, kw = job(*argv, env_extra=env_extra, drop=drop)
     t0 = time.monotonic()
-    p = subprocess.run([BIN, "check-args", "--", *argv], capture_output=True, text=True, env=env, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
     return p, time.monotonic() - t0
+
+
+PARSE_ERRORS = [
+    (["--tp", "abc"], "rejected: argument --tp-size/--tensor-parallel-size: invalid int value: 'abc'"),
+    (["--cp-l3-cold-start", "loadd"], "rejected: --cp-l3-cold-start must be one of clear, load, verify; got 'loadd'."),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "a.toml", "--cp-l3-config", "b.toml"],
+     "rejected: --cp-l3-config is given twice ('a.toml', then 'b.toml'): give it once, with the value you mean."),
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The runs that bound no wall time, started together (independent processes and files)."""
+    cfg = write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
+    big = write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
+    st = os.statvfs(os.path.dirname(big))
+    too_big = (st.f_bavail * st.f_frsize + 1000e9) / 1e9
+    with open(big) as f:
+        text = f.read()
+    with open(big, "w") as f:
+        f.write(text.replace("capacity_gb = 0.05", f"capacity_gb = {too_big:.0f}"))
+    jobs = {
+        "gpu_line": job("--model-path", TINY_MLA, "--trust-remote-code", "--page-size", "64",
+                        "--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", cfg),
+        "missing_model": job("--model-path", "/nonexistent/models/GLM-5"),
+        "too_big": job("--model-path", "dummy", "--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", big),
+    }
+    jobs.update({f"parse{i}": job("--model-path", "dummy", *argv) for i, (argv, _) in enumerate(PARSE_ERRORS)})
+    runs = run_all(jobs, timeout=300)
+    runs["too_big_gb"] = too_big
+    return runs
 
 
 def rejected_line(p):
@@ -75,10 +112,8 @@ class SilentEndpoint:
         self.sock.close()
 
 
-def test_no_accelerator_checks_a_gpu_line_as_for_cuda(disk_tmp):
-    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
-    p, _ = check_args("--model-path", TINY_MLA, "--trust-remote-code", "--page-size", "64",
-                      "--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", cfg)
+def test_no_accelerator_checks_a_gpu_line_as_for_cuda(runs):
+    p = runs["gpu_line"]
     assert p.returncode == 0 and "accepted" in p.stdout, p.stdout + p.stderr[-3000:]
     assert "No accelerator" not in p.stdout + p.stderr
     assert "note: no accelerator on this machine: checked as for --device cuda" in p.stdout
@@ -115,30 +150,19 @@ def test_a_hub_id_in_the_local_cache_is_read_there_offline(tmp_path):
     assert hub.count == 0
 
 
-def test_a_missing_local_model_directory_is_one_line():
-    p, _ = check_args("--model-path", "/nonexistent/models/GLM-5")
+def test_a_missing_local_model_directory_is_one_line(runs):
+    p = runs["missing_model"]
     line = rejected_line(p)
     assert "--model-path '/nonexistent/models/GLM-5': no such file or directory here" in line
 
 
-def test_capacity_beyond_free_space_is_refused_as_doctor_does(disk_tmp):
-    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
-    st = os.statvfs(os.path.dirname(cfg))
-    too_big = (st.f_bavail * st.f_frsize + 1000e9) / 1e9
-    text = open(cfg).read().replace("capacity_gb = 0.05", f"capacity_gb = {too_big:.0f}")
-    open(cfg, "w").write(text)
-    p, _ = check_args("--model-path", "dummy", "--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", cfg)
-    line = rejected_line(p)
+def test_capacity_beyond_free_space_is_refused_as_doctor_does(runs):
+    too_big = runs["too_big_gb"]
+    line = rejected_line(runs["too_big"])
     assert f"disks[0].capacity_gb = {too_big:.0f} does not fit on" in line and "GB free" in line
     assert "lower capacity_gb or free space" in line
 
 
-@pytest.mark.parametrize("argv, want", [
-    (["--tp", "abc"], "rejected: argument --tp-size/--tensor-parallel-size: invalid int value: 'abc'"),
-    (["--cp-l3-cold-start", "loadd"], "rejected: --cp-l3-cold-start must be one of clear, load, verify; got 'loadd'."),
-    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "a.toml", "--cp-l3-config", "b.toml"],
-     "rejected: --cp-l3-config is given twice ('a.toml', then 'b.toml'): give it once, with the value you mean."),
-])
-def test_parse_errors_are_one_line_without_sglangs_usage(argv, want):
-    p, _ = check_args("--model-path", "dummy", *argv)
-    assert rejected_line(p) == want
+@pytest.mark.parametrize("case", range(len(PARSE_ERRORS)), ids=["tp-word", "cold-start-choice", "config-twice"])
+def test_parse_errors_are_one_line_without_sglangs_usage(runs, case):
+    assert rejected_line(runs[f"parse{case}"]) == PARSE_ERRORS[case][1]

@@ -8,10 +8,11 @@ import json
 import os
 import re
 import shlex
+import sys
 
 import pytest
 
-from suite_helpers import REPO, run_py
+from suite_helpers import REPO, run_all
 
 EXAMPLES = os.path.join(REPO, "examples")
 
@@ -56,49 +57,65 @@ print("RESULT " + json.dumps({{k: getattr(c, k, getattr(sa, k, None)) for k in k
 """
 
 
-def _parse(argv):
-    p = run_py(PARSE.format(argv=json.dumps(argv)), timeout=300)
+def _parse_job(argv):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env.pop("SGLANG_CP_DISABLE", None)
+    env.pop("SGLANG_PLUGINS", None)
+    return [sys.executable, "-c", PARSE.format(argv=json.dumps(argv))], {"env": env}
+
+
+def _result(p):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (line,) = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     return json.loads(line[len("RESULT "):])
 
 
-def test_prefill_cp_l3_example_parses_and_selects_our_l3(disk_tmp):
-    cfg = _l3_config(disk_tmp)
-    huge = disk_tmp / "hugetlbfs"  # the flag only needs the directory at parse time
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each example's command line parsed in its own fresh interpreter, all of them at once."""
+    disk = tmp_path_factory.mktemp("disk")
+    cfg = _l3_config(disk)
+    huge = disk / "hugetlbfs"  # the flag only needs the directory at parse time
     huge.mkdir()
-    r = _parse(launch_argv("launch_prefill_cp_l3.sh", {"MODEL": "dummy", "L3_CONFIG": cfg,
-                                                       "HUGETLBFS": str(huge)}))
+    bad = disk / "bad.toml"
+    bad.write_text(open(cfg).read().replace("low_watermark = 0.85", "low_watermark = 0.95"))
+    model = os.path.join(REPO, "test", "gpu", "models", "tiny-dsv3")  # DeepseekV3 (MLA) config.json
+    runs = run_all({
+        "prefill": _parse_job(launch_argv("launch_prefill_cp_l3.sh", {"MODEL": "dummy", "L3_CONFIG": cfg,
+                                                                     "HUGETLBFS": str(huge)})),
+        "decode": _parse_job(launch_argv("launch_decode.sh", {"MODEL": "dummy"})),
+        "prefill_bad": _parse_job(launch_argv("launch_prefill_cp_l3.sh", {"MODEL": "dummy", "L3_CONFIG": str(bad),
+                                                                         "HUGETLBFS": str(huge)})),
+        "single": _parse_job(launch_argv("launch_single_gpu_l3.sh", {"MODEL": model, "L3_CONFIG": cfg})),
+    }, timeout=300)
+    runs["cfg"] = cfg
+    return runs
+
+
+def test_prefill_cp_l3_example_parses_and_selects_our_l3(runs):
+    r = _result(runs["prefill"])
     assert r["disaggregation_mode"] == "prefill"
     assert r["enable_prefill_cp"] and r["enable_kv_cache_sharding"] and r["attn_cp_size"] == r["tp_size"] == 8
-    assert r["enable_cp_l3"] and r["cp_l3_config"] == cfg and r["cp_l3_cold_start"] == "load"
+    assert r["enable_cp_l3"] and r["cp_l3_config"] == runs["cfg"] and r["cp_l3_cold_start"] == "load"
     assert r["hicache_storage_backend"] == "dynamic"  # ours, selected by --enable-cp-l3
     assert r["enable_cp_shared_physical_l2_hicache"] and r["page_size"] == 64
 
 
-def test_decode_example_parses_without_l3():
-    r = _parse(launch_argv("launch_decode.sh", {"MODEL": "dummy"}))
+def test_decode_example_parses_without_l3(runs):
+    r = _result(runs["decode"])
     assert r["disaggregation_mode"] == "decode"
     assert not r["enable_cp_l3"] and r["hicache_storage_backend"] is None
     assert r["tp_size"] == 8 and r["page_size"] == 64
 
 
-def test_prefill_example_with_a_bad_l3_config_is_rejected_naming_the_field(disk_tmp):
-    cfg = _l3_config(disk_tmp)
-    bad = disk_tmp / "bad.toml"
-    bad.write_text(open(cfg).read().replace("low_watermark = 0.85", "low_watermark = 0.95"))
-    huge = disk_tmp / "hugetlbfs"
-    huge.mkdir()
-    argv = launch_argv("launch_prefill_cp_l3.sh", {"MODEL": "dummy", "L3_CONFIG": str(bad), "HUGETLBFS": str(huge)})
-    p = run_py(PARSE.format(argv=json.dumps(argv)), timeout=300)
+def test_prefill_example_with_a_bad_l3_config_is_rejected_naming_the_field(runs):
+    p = runs["prefill_bad"]
     assert p.returncode != 0 and "gc.low_watermark" in p.stderr
 
 
-def test_single_gpu_example_resolves_on_this_cpu_box_as_for_a_gpu(disk_tmp):
-    cfg = _l3_config(disk_tmp)
-    model = os.path.join(REPO, "test", "gpu", "models", "tiny-dsv3")  # DeepseekV3 (MLA) config.json
-    r = _parse(launch_argv("launch_single_gpu_l3.sh", {"MODEL": model, "L3_CONFIG": cfg}))
-    assert r["enable_cp_l3"] and r["cp_l3_config"] == cfg and r["cp_l3_cold_start"] == "load"
+def test_single_gpu_example_resolves_on_this_cpu_box_as_for_a_gpu(runs):
+    r = _result(runs["single"])
+    assert r["enable_cp_l3"] and r["cp_l3_config"] == runs["cfg"] and r["cp_l3_cold_start"] == "load"
     assert r["enable_hierarchical_cache"] and r["hicache_storage_backend"] == "dynamic"
     assert r["page_size"] == 64 and r["enable_metrics"] and r["tp_size"] == 1
     assert not r["enable_prefill_cp"] and not r["enable_kv_cache_sharding"]
