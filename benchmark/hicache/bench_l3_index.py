@@ -208,7 +208,7 @@ def one_size(base: str, n: int, args) -> dict:
                 tails = ks.suffixes
                 out["keys_as"] = "bytes (KeyScheme.suffixes)"
             dts = [int(x) for x in args.digest_threads.split(",")]
-            hashers = {dt: native_digests(idx_dir, dt) for dt in dts}
+            hashers = {dt: native_digests(dt) for dt in dts}
 
             def use(dt):  # the store's hit-query hasher: hashlib (0) or the native one on dt threads
                 store.state.digests = key_digests(0, hashers[dt])

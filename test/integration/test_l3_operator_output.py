@@ -6,7 +6,6 @@ free space, stale ones included; and rich took ``[index]`` in a message for mark
 """
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -95,15 +94,22 @@ def test_help_keeps_one_subcommand_per_line():
         assert any(line.startswith(f"  {name} ") for line in lines), (name, p.stdout)
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
-def test_doctor_builds_the_native_hasher_or_names_the_fix(disk_tmp, monkeypatch):
+def test_doctor_checks_the_native_library_or_names_the_fix(disk_tmp, monkeypatch):
+    """index.digest_threads > 0 and io.read_engine = "native" need the package's native library: doctor
+    loads and checks it as the server will, and without it says which field needs it and how to get it."""
+    from sglang_cp.l3 import native
+
     cfg_path = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
     text = open(cfg_path).read()
-    open(cfg_path, "w").write(text.replace("[index]\n", "[index]\ndigest_threads = 2\n", 1))
-    monkeypatch.setenv("CC", "no-such-cc-sglang-cp")
-    row = {r.item: r for r in doctor.check_l3_config(cfg_path)}["digest_threads = 2"]
-    assert row.status == doctor.FAIL and "no C compiler" in row.detail and "digest_threads = 0" in row.detail, row
-    monkeypatch.delenv("CC")
-    row = {r.item: r for r in doctor.check_l3_config(cfg_path)}["digest_threads = 2"]
-    assert row.status == doctor.OK and "checked against hashlib" in row.detail, row
-    assert os.listdir(disk_tmp / "l3" / "index" / "native")
+    open(cfg_path, "w").write(text.replace("[index]\n", "[index]\ndigest_threads = 2\n", 1)
+                              .replace("[[disks]]\n", '[io]\nread_engine = "native"\n\n[[disks]]\n', 1))
+    rows = {r.item: r for r in doctor.check_l3_config(cfg_path)}
+    assert rows["digest_threads = 2"].status == doctor.OK and "checked against hashlib" in rows["digest_threads = 2"].detail
+    engine = rows["read_engine = native"]
+    assert engine.status in (doctor.OK, doctor.WARN) and "native library" in engine.detail, engine
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "library_path", lambda: None)
+    rows = {r.item: r for r in doctor.check_l3_config(cfg_path)}
+    for item, field in (("digest_threads = 2", "index.digest_threads"), ("read_engine = native", "io.read_engine")):
+        row = rows[item]
+        assert row.status == doctor.FAIL and f"{field}" in row.detail and "reinstall sglang-cp" in row.detail, row

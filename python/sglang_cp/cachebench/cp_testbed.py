@@ -292,20 +292,49 @@ class RankDied(RuntimeError):
     """A rank process exited without handing back a result; the others were stopped."""
 
 
-def run_ranks(world, target, args=(), timeout=240, on_event=None):
-    """Spawn ``world`` rank processes running ``target(rank, world, rendezvous, *args) -> dict``.
-    ``on_event(rank, event)`` runs in the parent for every ``emit`` of a rank."""
+# start="forkserver": the modules every rank imports (torch, upstream's server args and HiCache stack:
+# 10-15 s of CPU per interpreter) are imported once, in the fork server, and each rank is a fork of it:
+# still a new process per rank and per restart, with its own gloo group, plugin load and store, but
+# without paying the imports again. load_plugins() stays in the rank (Rank.__init__), after the fork.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "sglang.srt.server_args",
+                      "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+                      "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mla",
+                      "sglang.srt.mem_cache.pool_host.page_interleave", "sglang_cp.cachebench.cp_testbed"]
+_forkserver = None
+# How cachebench starts its ranks: a restart is still "all ranks exit; new processes", without paying
+# the imports again (cachebench --quick: the ranks' imports were most of its wall time on 2 cores).
+RANK_START = "forkserver"
+
+
+def _context(start: str):
+    global _forkserver
     import multiprocessing as mp
 
+    if start == "spawn":
+        return mp.get_context("spawn")
+    if start != "forkserver":
+        raise ValueError(f"run_ranks: start must be 'spawn' or 'forkserver', got {start!r}")
+    if _forkserver is None:
+        _forkserver = mp.get_context("forkserver")
+        _forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return _forkserver
+
+
+def run_ranks(world, target, args=(), timeout=240, on_event=None, start="spawn"):
+    """Start ``world`` rank processes running ``target(rank, world, rendezvous, *args) -> dict``.
+    ``on_event(rank, event)`` runs in the parent for every ``emit`` of a rank. ``start``: "spawn" (a
+    fresh interpreter per rank) or "forkserver" (forks of one interpreter that imported the ranks'
+    modules once; the environment of this call is applied in each rank)."""
     # The ranks meet through a file store in a private directory of this call, not a TCP port: a port
     # picked by bind + close can be taken by another process before rank 0 binds it (EADDRINUSE).
     with tempfile.TemporaryDirectory(prefix="cp-ranks-", ignore_cleanup_errors=True) as rdv_dir:
-        return _run(world, target, args, timeout, on_event, f"file://{rdv_dir}/store", mp.get_context("spawn"))
+        return _run(world, target, args, timeout, on_event, f"file://{rdv_dir}/store", _context(start))
 
 
 def _run(world, target, args, timeout, on_event, rendezvous, ctx):
     q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(target, r, world, rendezvous, args, q)) for r in range(world)]
+    env = dict(os.environ)  # a fork server's children would otherwise see the server's, from its start
+    procs = [ctx.Process(target=_entry, args=(target, r, world, rendezvous, args, q, env)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -356,9 +385,12 @@ def _run(world, target, args, timeout, on_event, rendezvous, ctx):
     return [results[r] for r in range(world)]
 
 
-def _entry(target, rank, world, rendezvous, args, q):
+def _entry(target, rank, world, rendezvous, args, q, env=None):
     global _events, _rank_of_process
     _events, _rank_of_process = q, rank
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     try:
         res = target(rank, world, rendezvous, *args)

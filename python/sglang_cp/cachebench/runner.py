@@ -18,7 +18,7 @@ import time
 
 from rich.markup import escape
 
-from sglang_cp.cachebench.cp_testbed import PAGE, RankDied, run_ranks
+from sglang_cp.cachebench.cp_testbed import PAGE, RANK_START, RankDied, run_ranks
 from sglang_cp.display import rel
 from sglang_cp.l3 import load_l3_config
 from sglang_cp.l3.recovery import COLD_START_MODES, DEFAULT_COLD_START
@@ -210,12 +210,12 @@ def _run_both(ns, console, cfg, phases, requests, l2_pages, layers, host_pages, 
         first = run_ranks(ns.cp_size, run_phases,
                           (cfg, phases, l2_pages, layers, ns.cp_l3_cold_start, host_pages, sidecars, logs,
                            ns.prefetch_threshold),
-                          timeout=ns.timeout, on_event=progress.on_event)
+                          timeout=ns.timeout, on_event=progress.on_event, start=RANK_START)
         progress.note("restart: all ranks exit; new processes, --cp-l3-cold-start load")
         second = run_ranks(ns.cp_size, run_phases,
                            (cfg, [("restart", requests)], l2_pages, layers, "load", host_pages, sidecars, logs,
                             ns.prefetch_threshold),
-                           timeout=ns.timeout, on_event=progress.on_event)
+                           timeout=ns.timeout, on_event=progress.on_event, start=RANK_START)
     return first, second
 
 

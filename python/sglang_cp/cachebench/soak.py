@@ -32,7 +32,7 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-from sglang_cp.cachebench.cp_testbed import RankDied, run_ranks
+from sglang_cp.cachebench.cp_testbed import RANK_START, RankDied, run_ranks
 from sglang_cp.display import rel
 
 from .rank_program import run_phases
@@ -116,7 +116,7 @@ def run(ns, console, cfg: str, requests: list, l2_pages: int, layers: int, host_
             results = run_ranks(ns.cp_size, run_phases,
                                 (cfg, [(f"e{k}", batch)], l2_pages, layers, cold, host_pages, sidecars, logs,
                                  ns.prefetch_threshold, True),
-                                timeout=ns.timeout, on_event=ep.on_event)
+                                timeout=ns.timeout, on_event=ep.on_event, start=RANK_START)
         except (RankDied, TimeoutError) as e:
             died = str(e)
         wall = time.monotonic() - ep.t0
