@@ -5,11 +5,13 @@ Processes are real: each scenario starts a fresh interpreter so upstream's one-s
 """
 
 import json
+import os
+import sys
 import textwrap
 
 import pytest
 
-from suite_helpers import run_py
+from suite_helpers import run_all, run_py
 
 PARSE = textwrap.dedent(
     """
@@ -33,8 +35,48 @@ PARSE = textwrap.dedent(
 )
 
 
-def parse(argv, env=None):
-    return run_py(PARSE.replace("ARGV", repr(list(argv))), env_extra=env)
+def py_job(code, env_extra=None):
+    """A fresh interpreter running `code`, set up as suite_helpers.run_py sets it up."""
+    env = dict(os.environ)
+    env.pop("SGLANG_CP_DISABLE", None)
+    env.pop("SGLANG_PLUGINS", None)
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(env_extra or {})
+    return [sys.executable, "-c", code], {"env": env}
+
+
+def parse_job(argv, env=None):
+    return py_job(PARSE.replace("ARGV", repr(list(argv))), env_extra=env)
+
+
+def ok(p):
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory):
+    """Every fresh-interpreter scenario of this module, started together (each is its own process with
+    its own load_plugins(); they share nothing), keyed by the test that reads it."""
+    tmp = tmp_path_factory.mktemp("plugin")
+    script = tmp / "spawn_check.py"
+    script.write_text(SPAWN_CHECK.replace("HUGETLBFS_DIR", repr(str(tmp))))
+    neutral_env = {"COLUMNS": "100", "PYTHONHASHSEED": "0"}  # upstream builds some choices from sets
+    jobs = {
+        "parse": parse_job(["--model-path", "dummy", "--enable-hierarchical-cache", "--cp-hicache-max-slab-gb",
+                            "100", "--cp-hicache-placement-assert", "--cp-shared-l2-hugetlbfs-dir", str(tmp)]),
+        "other_release": py_job(OTHER_SGLANG),
+        "engine_path": py_job(ENGINE_PATH),
+        "kill_switch": parse_job(["--model-path", "dummy", "--enable-cp-l3"], env={"SGLANG_CP_DISABLE": "1"}),
+        "allowlist": parse_job(["--model-path", "dummy", "--enable-cp-l3"], env={"SGLANG_PLUGINS": "some_other_plugin"}),
+        "neutral_on": py_job(NEUTRAL, neutral_env),
+        "neutral_off": py_job(NEUTRAL, {**neutral_env, "SGLANG_CP_DISABLE": "1"}),
+        "pickling": py_job(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"),
+        "register": py_job(REGISTER),
+    }
+    runs = run_all(jobs, timeout=300)
+    runs["tmp"] = tmp
+    return runs
 
 
 def test_entry_point_is_discoverable():
@@ -44,10 +86,8 @@ def test_entry_point_is_discoverable():
     assert eps.get("sglang_cp") == "sglang_cp.plugin:register"
 
 
-def test_upstream_load_plugins_picks_us_up_and_flags_parse(tmp_path):
-    p = parse(["--model-path", "dummy", "--enable-hierarchical-cache",
-               "--cp-hicache-max-slab-gb", "100", "--cp-hicache-placement-assert",
-               "--cp-shared-l2-hugetlbfs-dir", str(tmp_path)])
+def test_upstream_load_plugins_picks_us_up_and_flags_parse(procs):
+    p = procs["parse"]
     assert p.returncode == 0, p.stdout + p.stderr
     flags = json.loads(p.stdout.split("FLAGS", 1)[1])
     assert flags["cp_hicache_max_slab_gb"] == 100.0
@@ -140,8 +180,8 @@ OTHER_SGLANG = textwrap.dedent(
 )
 
 
-def test_another_sglang_release_is_refused_naming_the_pin():
-    p = run_py(OTHER_SGLANG)
+def test_another_sglang_release_is_refused_naming_the_pin(procs):
+    p = procs["other_release"]
     assert "'registered': False" in p.stdout and "pinned to sglang==0.5.23" in p.stdout, p.stdout + p.stderr
     assert "PLAIN OK dummy" in p.stdout
     assert p.returncode == 2
@@ -153,28 +193,30 @@ def test_another_sglang_release_is_refused_naming_the_pin():
     assert "sglang-cp plugin not loaded, SGLang runs without it: sglang 0.5.99 is installed" in p.stderr
 
 
-def test_engine_path_validates_in_resolution():
+ENGINE_PATH = textwrap.dedent(
+    """
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    a = prepare_server_args(["--model-path", "dummy"])
+    a.enable_cp_l3 = True   # set by hand, as an Engine user would
+    try:
+        a.resolve_once()
+    except Exception as e:
+        print("ERROR", type(e).__name__, e)
+    """
+)
+
+
+def test_engine_path_validates_in_resolution(procs):
     """A record built without the CLI is validated by our resolution hook."""
-    code = textwrap.dedent(
-        """
-        from sglang.srt.plugins import load_plugins
-        load_plugins()
-        from sglang.srt.server_args import prepare_server_args
-        a = prepare_server_args(["--model-path", "dummy"])
-        a.enable_cp_l3 = True   # set by hand, as an Engine user would
-        try:
-            a.resolve_once()
-        except Exception as e:
-            print("ERROR", type(e).__name__, e)
-        """
-    )
-    p = run_py(code)
+    p = procs["engine_path"]
     assert "CpArgsError --enable-cp-l3 needs --enable-hierarchical-cache" in p.stdout, p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("env", [{"SGLANG_CP_DISABLE": "1"}, {"SGLANG_PLUGINS": "some_other_plugin"}])
-def test_kill_switch_and_allowlist_leave_sglang_untouched(env):
-    p = parse(["--model-path", "dummy", "--enable-cp-l3"], env=env)
+@pytest.mark.parametrize("which", ["kill_switch", "allowlist"])
+def test_kill_switch_and_allowlist_leave_sglang_untouched(procs, which):
+    p = procs[which]  # SGLANG_CP_DISABLE=1, or SGLANG_PLUGINS naming another plugin
     assert p.returncode == 2 and "unrecognized arguments: --enable-cp-l3" in p.stderr
 
 
@@ -197,11 +239,9 @@ NEUTRAL = textwrap.dedent(
 )
 
 
-def test_flags_off_is_behaviour_neutral():
-    # Upstream builds some choices from sets: pin the hash seed so both runs order them alike.
-    env = {"COLUMNS": "100", "PYTHONHASHSEED": "0"}
-    on = run_py(NEUTRAL, env_extra=env, check=True)
-    off = run_py(NEUTRAL, env_extra={**env, "SGLANG_CP_DISABLE": "1"}, check=True)
+def test_flags_off_is_behaviour_neutral(procs):
+    # Upstream builds some choices from sets: both runs pin the hash seed so they order them alike.
+    on, off = ok(procs["neutral_on"]), ok(procs["neutral_off"])
     on_d, off_d = json.loads(on.stdout.splitlines()[-1]), json.loads(off.stdout.splitlines()[-1])
     assert on_d["resolved"] == off_d["resolved"]
     help_on, help_off = on_d["help"], off_d["help"]
@@ -217,56 +257,58 @@ def test_flags_off_is_behaviour_neutral():
     assert stripped.rstrip() == help_off.rstrip()
 
 
-def test_flags_survive_pickling_into_a_spawned_process(tmp_path):
+SPAWN_CHECK = textwrap.dedent(
+    """
+    import multiprocessing as mp
+    def child(sa, q):
+        q.put((sa.enable_cp_shared_physical_l2_hicache, sa.cp_hicache_max_slab_gb,
+               sa.cp_shared_l2_hugetlbfs_dir, sa.cp_l3_cold_start, sa.cp_hicache_placement_assert))
+    if __name__ == "__main__":
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.server_args import prepare_server_args
+        a = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache",
+            "--enable-cp-shared-physical-l2-hicache", "--cp-shared-l2-hugetlbfs-dir", HUGETLBFS_DIR,
+            "--cp-hicache-max-slab-gb", "7.5", "--cp-l3-cold-start", "verify",
+            "--cp-hicache-placement-assert"])
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(a, q)); p.start()
+        print("CHILD", q.get(timeout=120)); p.join(60)
+    """
+)
+
+
+def test_flags_survive_pickling_into_a_spawned_process(procs):
     """The scheduler/detokenizer/DP controller get ServerArgs by pickling into spawned processes."""
-    code = textwrap.dedent(
-        f"""
-        import multiprocessing as mp
-        def child(sa, q):
-            q.put((sa.enable_cp_shared_physical_l2_hicache, sa.cp_hicache_max_slab_gb,
-                   sa.cp_shared_l2_hugetlbfs_dir, sa.cp_l3_cold_start, sa.cp_hicache_placement_assert))
-        if __name__ == "__main__":
-            from sglang.srt.plugins import load_plugins
-            load_plugins()
-            from sglang.srt.server_args import prepare_server_args
-            a = prepare_server_args(["--model-path", "dummy", "--enable-hierarchical-cache",
-                "--enable-cp-shared-physical-l2-hicache", "--cp-shared-l2-hugetlbfs-dir", {str(tmp_path)!r},
-                "--cp-hicache-max-slab-gb", "7.5", "--cp-l3-cold-start", "verify",
-                "--cp-hicache-placement-assert"])
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            p = ctx.Process(target=child, args=(a, q)); p.start()
-            print("CHILD", q.get(timeout=120)); p.join(60)
-        """
-    )
-    script = tmp_path / "spawn_check.py"
-    script.write_text(code)
-    p = run_py(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", check=True)
-    assert f"CHILD (True, 7.5, {str(tmp_path)!r}, 'verify', True)" in p.stdout, p.stdout
+    p = ok(procs["pickling"])
+    assert f"CHILD (True, 7.5, {str(procs['tmp'])!r}, 'verify', True)" in p.stdout, p.stdout
 
 
-def test_register_is_idempotent_and_never_raises():
-    code = textwrap.dedent(
-        """
-        from sglang.srt.plugins.hook_registry import HookRegistry
-        import sglang_cp.plugin as plugin
-        import sglang_cp.integration as integ
-        assert plugin.register() is True
-        n = sum(len(v) for v in HookRegistry._hooks.values())
-        assert plugin.register() is True
-        assert sum(len(v) for v in HookRegistry._hooks.values()) == n, "second call re-registered"
-        # a failing registration is logged and swallowed, and registers nothing functional: only the
-        # parser notice that answers our flags with the cause (test_launcher_errors.py)
-        plugin._state["registered"] = False
-        HookRegistry.reset()
-        def boom():
-            raise RuntimeError("hook module import failed")
-        integ.all_hooks = boom
-        assert plugin.register() is False
-        hooks = {t: [(ht.name, h.__name__) for ht, h, _ in v] for t, v in HookRegistry._hooks.items() if v}
-        assert hooks == {"sglang.srt.server_args.ServerArgs.add_cli_args": [("AROUND", "add_cli_args_around")]}, hooks
-        print("OK", plugin.status()["disabled_reason"])
-        """
-    )
-    p = run_py(code, check=True)
+REGISTER = textwrap.dedent(
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    import sglang_cp.plugin as plugin
+    import sglang_cp.integration as integ
+    assert plugin.register() is True
+    n = sum(len(v) for v in HookRegistry._hooks.values())
+    assert plugin.register() is True
+    assert sum(len(v) for v in HookRegistry._hooks.values()) == n, "second call re-registered"
+    # a failing registration is logged and swallowed, and registers nothing functional: only the
+    # parser notice that answers our flags with the cause (test_launcher_errors.py)
+    plugin._state["registered"] = False
+    HookRegistry.reset()
+    def boom():
+        raise RuntimeError("hook module import failed")
+    integ.all_hooks = boom
+    assert plugin.register() is False
+    hooks = {t: [(ht.name, h.__name__) for ht, h, _ in v] for t, v in HookRegistry._hooks.items() if v}
+    assert hooks == {"sglang.srt.server_args.ServerArgs.add_cli_args": [("AROUND", "add_cli_args_around")]}, hooks
+    print("OK", plugin.status()["disabled_reason"])
+    """
+)
+
+
+def test_register_is_idempotent_and_never_raises(procs):
+    p = ok(procs["register"])
     assert "OK registration failed: RuntimeError('hook module import failed')" in p.stdout

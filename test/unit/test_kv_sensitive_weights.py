@@ -12,10 +12,11 @@
 import importlib.util
 import os
 import random
-import subprocess
 import sys
 
 import torch
+
+from suite_helpers import run_all
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOOK_DIR = os.path.join(REPO, "test", "gpu", "kv_sensitive")
@@ -29,20 +30,25 @@ PROBE = ("import sglang.srt.model_loader.loader as L, sglang.srt.speculative.bas
          "S.CpL3Storage._get.__qualname__)")
 
 
-def _probe(**env_extra) -> str:
+def _probe_job(**env_extra):
     env = dict(os.environ, PYTHONWARNINGS="ignore", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.split()
+    return [sys.executable, "-c", PROBE], {"env": env}
 
 
 def test_hook_patches_upstream_only_when_asked():
-    assert _probe() == ["initialize_dummy_weights", "_build_hicache_draft_plan", "CpL3Storage._get"]
-    assert _probe(SGLANG_CP_TEST_KV_SENSITIVE="1") == [
+    runs = run_all({  # three fresh interpreters at once: each only imports and prints
+        "plain": _probe_job(),
+        "shaped": _probe_job(SGLANG_CP_TEST_KV_SENSITIVE="1"),
+        "red_seams": _probe_job(SGLANG_CP_TEST_KV_SENSITIVE="1", SGLANG_CP_TEST_DRAFT_HICACHE="off",
+                                SGLANG_CP_TEST_LOCKSTEP="off"),
+    }, timeout=300)
+    for name, p in runs.items():
+        assert p.returncode == 0, (name, p.stderr[-3000:])
+    assert runs["plain"].stdout.split() == ["initialize_dummy_weights", "_build_hicache_draft_plan", "CpL3Storage._get"]
+    assert runs["shaped"].stdout.split() == [
         "_patch_loader.<locals>.initialize_dummy_weights", "_build_hicache_draft_plan", "CpL3Storage._get"]
-    assert _probe(SGLANG_CP_TEST_KV_SENSITIVE="1", SGLANG_CP_TEST_DRAFT_HICACHE="off",
-                  SGLANG_CP_TEST_LOCKSTEP="off") == [
+    assert runs["red_seams"].stdout.split() == [
         "_patch_loader.<locals>.initialize_dummy_weights", "no_draft_plan", "_patch_backend.<locals>._get"]
 
 
