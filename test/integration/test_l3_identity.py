@@ -5,11 +5,13 @@ topology; and keys that name the logical KV dtype (fp8 formats share uint8 host 
 """
 
 import json
+import os
+import sys
 import textwrap
 
 import pytest
 
-from suite_helpers import run_py
+from suite_helpers import run_all
 
 CODE = textwrap.dedent(
     """
@@ -124,12 +126,32 @@ CODE = textwrap.dedent(
 )
 
 
-def _rows(l3cfg, *args):
-    p = run_py(f"import sys; sys.argv = ['x'] + {json.dumps([l3cfg, *args])}\n" + CODE,
-               env_extra={"HF_HUB_OFFLINE": "1"})
+def _rows_job(l3cfg, *args):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    env.pop("SGLANG_CP_DISABLE", None)
+    env.pop("SGLANG_PLUGINS", None)
+    code = f"import sys; sys.argv = ['x'] + {json.dumps([l3cfg, *args])}\n" + CODE
+    return [sys.executable, "-c", code], {"env": env}
+
+
+def _rows(p):
     rows = [json.loads(ln[4:]) for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
     assert rows, p.stdout[-3000:] + p.stderr[-5000:]
     return rows
+
+
+@pytest.fixture(scope="module")
+def scenario_runs(tmp_path_factory):
+    """The three scenario processes of this module, each on its own L3 directory, started together."""
+    from sglang_cp.cli import write_demo_config
+
+    def cfg():
+        return write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
+    return run_all({
+        "topology": _rows_job(cfg(), "topology", json.dumps([[c, a, s] for c, a, s, _ in CASES])),
+        "fp8": _rows_job(cfg(), "fp8"),
+        "hybrid": _rows_job(cfg(), "hybrid"),
+    }, timeout=300)
 
 
 @pytest.fixture
@@ -151,8 +173,8 @@ CASES = [
 ]
 
 
-def test_every_kv_owner_of_a_node_is_its_own_l3_rank(l3cfg):
-    rows = _rows(l3cfg, "topology", json.dumps([[c, a, s] for c, a, s, _ in CASES]))
+def test_every_kv_owner_of_a_node_is_its_own_l3_rank(scenario_runs):
+    rows = _rows(scenario_runs["topology"])
     for case, _argv, spawns, expect_count in CASES:
         mine = [r for r in rows if r["case"] == case]
         assert len(mine) == len(spawns), (case, rows)
@@ -164,8 +186,8 @@ def test_every_kv_owner_of_a_node_is_its_own_l3_rank(l3cfg):
             assert len({r["old"] for r in mine}) < len(mine), (case, mine)
 
 
-def test_fp8_formats_never_share_a_page(l3cfg):
-    rows = _rows(l3cfg, "fp8")
+def test_fp8_formats_never_share_a_page(scenario_runs):
+    rows = _rows(scenario_runs["fp8"])
     write, e5m2, e4m3 = rows
     assert write["write"] and write["host"] == "torch.uint8"
     assert write["dtypes"] == {"kv": "torch.float8_e4m3fn"}
@@ -175,8 +197,8 @@ def test_fp8_formats_never_share_a_page(l3cfg):
     assert e4m3["hit"] == 1  # control: the same format reloads it
 
 
-def test_second_owner_and_hybrid_pools_are_refused_at_attach(l3cfg):
-    collide, trailing, swa, mamba = _rows(l3cfg, "hybrid")
+def test_second_owner_and_hybrid_pools_are_refused_at_attach(scenario_runs):
+    collide, trailing, swa, mamba = _rows(scenario_runs["hybrid"])
     # The same identity opened twice: the second attach fails, naming the identity and the holder.
     err = collide["collide"]
     assert err.startswith("L3OwnershipError: disks[0].path: L3 rank 0 is already owned by pid "

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from suite_helpers import run_all
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
 import _ported  # noqa: E402
@@ -25,15 +25,15 @@ import _ported  # noqa: E402
 INVARIANT_MARKERS = ("unchanged", "gate_off", "silent", "is_upstream")
 
 
-def _run(mode: str) -> dict:
+def _job(mode: str):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     for var in ("SGLANG_CP_VALIDATE_PAGE_GROUPS", "SGLANG_CP_LOG_CG_BUFFERS"):
         env.pop(var, None)
     code = f"import sys; sys.path.insert(0, {HERE!r}); import _ported; _ported.main({mode!r})"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
-        timeout=300,
-    )
+    return [sys.executable, "-c", code], {"env": env}
+
+
+def _results(proc) -> dict:
     lines = [l for l in proc.stdout.splitlines() if l.startswith("SEED_PARITY_RESULTS ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1].split(" ", 1)[1])
@@ -41,7 +41,9 @@ def _run(mode: str) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return {mode: _run(mode) for mode in ("off", "on")}
+    """Both modes, each in its own fresh interpreter, started together."""
+    runs = run_all({mode: _job(mode) for mode in ("off", "on")}, timeout=300)
+    return {mode: _results(p) for mode, p in runs.items()}
 
 
 def _cases():
