@@ -188,6 +188,11 @@ def test_plp_require_refuses_volatile_cache(l3_root):
 def test_plp_warn_once_and_ignore(l3_root, caplog, monkeypatch):
     p = _real_probe(l3_root)
     monkeypatch.setattr(cfgmod, "_warned_devices", set())
+    # What is checked is the loader's own once-per-device rule. The sglang-cp tools add a once-per-boot
+    # filter to this logger when their main() runs in a process (an earlier in-process CLI test does):
+    # it would drop a text it saw earlier in this boot (pytest reuses temp paths across sessions).
+    logger = logging.getLogger("sglang_cp.l3.config")
+    monkeypatch.setattr(logger, "filters", [f for f in logger.filters if type(f).__name__ != "OncePerBootFilter"])
     with caplog.at_level(logging.WARNING, logger="sglang_cp.l3.config"):
         parse_l3_config(config_doc(l3_root, durability={"plp_policy": "ignore"}))
         assert not caplog.records
