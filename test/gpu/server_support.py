@@ -9,7 +9,9 @@ Environment knobs (all optional):
   it must be a real disk filesystem, since L3 opens its slabs with O_DIRECT);
 - ``SGLANG_CP_TEST_ATTENTION_BACKEND``: attention backend (default ``triton``);
 - ``SGLANG_CP_GPU_START_SLOTS``: how many servers may be starting at once on one GPU (default 2; see
-  ``start_slot``), ``SGLANG_CP_GPU_START_WAIT_S``: the bound on waiting for a slot (default 1800 s).
+  ``start_slot``), ``SGLANG_CP_GPU_START_WAIT_S``: the bound on waiting for a slot (default 1800 s);
+- ``SGLANG_CP_TEST_READ_ENGINE``: ``io.read_engine`` of every L3 config the tests write (default: the
+  config's own default, ``python``), to run the suite on the other read engine.
 Under pytest-xdist each worker takes its own GPU (``gw<N>`` -> GPU N modulo the count).
 """
 
@@ -97,8 +99,13 @@ def base_dir(tmp_path_factory, name: str) -> str:
 
 def write_l3_config(root: str, capacity_gb: float = 2.0, backup_ack: str | None = None) -> str:
     """The embedded default L3 config (``sglang-cp demo``'s) with its directories under ``root/l3``,
-    and ``durability.backup_ack`` when given."""
-    return write_demo_config(os.path.join(root, "l3"), capacity_gb=capacity_gb, backup_ack=backup_ack)
+    ``durability.backup_ack`` when given, and ``io.read_engine`` from SGLANG_CP_TEST_READ_ENGINE."""
+    path = write_demo_config(os.path.join(root, "l3"), capacity_gb=capacity_gb, backup_ack=backup_ack)
+    engine = os.environ.get("SGLANG_CP_TEST_READ_ENGINE")
+    if engine:
+        with open(path, "a") as f:
+            f.write(f'\n[io]\nread_engine = "{engine}"\n')
+    return path
 
 
 def l3_flags(config: str, cold_start: str) -> list:
