@@ -33,3 +33,18 @@ def test_a_rank_killed_mid_run_is_reported_and_the_others_stopped():
 
 def test_ranks_that_finish_are_not_mistaken_for_dead_ones():
     assert run_ranks(3, _all_finish, timeout=120) == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+
+
+def test_forkserver_ranks_are_spawned_where_a_gpu_is_visible(monkeypatch):
+    """On a GPU host the fork server's imports initialize CUDA and its forks cannot use CUDA again
+    ("Cannot re-initialize CUDA in forked subprocess", seen on an H200 host): there run_ranks spawns. This
+    box has no GPU, so only the visibility is faked; the ranks are real spawned processes."""
+    import torch
+
+    from sglang_cp.cachebench import cp_testbed
+
+    native = "spawn" if torch.cuda.is_available() else "forkserver"
+    assert cp_testbed._context("forkserver").get_start_method() == native
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cp_testbed._context("forkserver").get_start_method() == "spawn"
+    assert run_ranks(2, _all_finish, timeout=120, start="forkserver") == [{"rank": 0}, {"rank": 1}]

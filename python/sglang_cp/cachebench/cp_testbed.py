@@ -306,14 +306,26 @@ _forkserver = None
 RANK_START = "forkserver"
 
 
+def _cuda_visible() -> bool:
+    """A CUDA device is visible here (torch's own check: it does not initialize CUDA in this process)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _context(start: str):
     global _forkserver
     import multiprocessing as mp
 
-    if start == "spawn":
-        return mp.get_context("spawn")
-    if start != "forkserver":
+    if start not in ("spawn", "forkserver"):
         raise ValueError(f"run_ranks: start must be 'spawn' or 'forkserver', got {start!r}")
+    # On a host with a visible GPU the fork server's imports initialize CUDA (upstream's modules query the
+    # device's capability at import), and a fork of a process that has initialized CUDA cannot use it
+    # ("Cannot re-initialize CUDA in forked subprocess", on an H200 host): there every rank is spawned.
+    if start == "spawn" or _cuda_visible():
+        return mp.get_context("spawn")
     if _forkserver is None:
         _forkserver = mp.get_context("forkserver")
         _forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
@@ -324,7 +336,7 @@ def run_ranks(world, target, args=(), timeout=240, on_event=None, start="spawn")
     """Start ``world`` rank processes running ``target(rank, world, rendezvous, *args) -> dict``.
     ``on_event(rank, event)`` runs in the parent for every ``emit`` of a rank. ``start``: "spawn" (a
     fresh interpreter per rank) or "forkserver" (forks of one interpreter that imported the ranks'
-    modules once; the environment of this call is applied in each rank)."""
+    modules once; the environment of this call is applied in each rank; "spawn" where a GPU is visible)."""
     # The ranks meet through a file store in a private directory of this call, not a TCP port: a port
     # picked by bind + close can be taken by another process before rank 0 binds it (EADDRINUSE).
     with tempfile.TemporaryDirectory(prefix="cp-ranks-", ignore_cleanup_errors=True) as rdv_dir:
