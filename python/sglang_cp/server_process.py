@@ -273,13 +273,16 @@ class ServerProcess:
         return GenResult(output_ids=j.get("output_ids"), meta_info=j.get("meta_info", {}), latency_s=dt)
 
     def generate_stream(self, input_ids: list, max_new_tokens: int = 8, timeout_s: float = 600.0) -> GenResult:
-        """Greedy streaming ``/generate``: the result's ``ttft_s`` is the time to the first chunk."""
+        """Greedy streaming ``/generate``: the result's ``ttft_s`` is the time to the first chunk. A stream
+        that ends before upstream's closing ``[DONE]`` raises ConnectionError: a server killed mid-answer
+        closes the connection, and urllib then reports a clean end (chunked or not), which would otherwise
+        pass the first tokens off as the whole answer."""
         body = {"input_ids": list(input_ids), "stream": True,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         t = time.perf_counter()
-        ttft, last = None, None
+        ttft, last, done, chunks = None, None, False, 0
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             for raw in r:
                 line = raw.strip()
@@ -287,7 +290,9 @@ class ServerProcess:
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
+                chunks += 1
                 if ttft is None:
                     ttft = time.perf_counter() - t
                 last = json.loads(data)
@@ -295,6 +300,9 @@ class ServerProcess:
                     raise RuntimeError(f"/generate stream error: {last['error']}")
         if last is None:
             raise RuntimeError("/generate stream ended without a chunk")
+        if not done:
+            raise ConnectionError(f"/generate stream from {self.url} ended after {chunks} chunk(s) without its "
+                                  "[DONE]: the server closed the connection mid-answer")
         res = GenResult(output_ids=last.get("output_ids"), meta_info=last.get("meta_info", {}),
                         latency_s=time.perf_counter() - t)
         res.ttft_s = ttft

@@ -4,6 +4,7 @@ is reported with its own error, promptly, and leaves no process behind."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -92,3 +93,52 @@ def test_a_start_failure_reports_the_first_error_not_only_the_shutdown_noise(tmp
     assert "CUDA out of memory" in report and "Traceback" in report
     assert "Ignore import error" not in first_error(log.read_text())
     assert "CUDA out of memory" not in srv.log_tail(40)  # what the old report showed
+
+
+def _one_stream(body: bytes, chunked: bool) -> int:
+    """A one-request HTTP server that answers with ``body`` as an event stream, then closes the socket
+    (chunked: one chunk and no terminating zero chunk, as when the server process is killed)."""
+    import socket
+    import threading
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+
+    def answer():
+        c, _ = s.accept()
+        req = b""
+        while b"\r\n\r\n" not in req:  # the whole request first: unread bytes at close would reset it
+            req += c.recv(1 << 16)
+        head, rest = req.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+        while len(rest) < length:
+            rest += c.recv(1 << 16)
+        if chunked:
+            c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      + b"%x\r\n%s\r\n" % (len(body), body))
+        else:
+            c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nConnection: close\r\n\r\n" + body)
+        c.close()
+        s.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    return s.getsockname()[1]
+
+
+CHUNK = b'data: {"output_ids": [1567], "meta_info": {"finish_reason": null}}\n\n'
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "close-delimited"])
+def test_a_stream_cut_before_done_is_an_error_not_an_answer(chunked):
+    # urllib ends a cut stream cleanly in both framings; a killed server's first token must not count as its answer
+    srv = ServerProcess(MODEL, port=_one_stream(CHUNK, chunked))
+    with pytest.raises(ConnectionError, match=r"ended after 1 chunk\(s\) without its \[DONE\]"):
+        srv.generate_stream([1, 2, 3], max_new_tokens=16, timeout_s=10)
+
+
+def test_a_stream_with_done_is_the_answer():
+    done = b'data: {"output_ids": [1567, 1567], "meta_info": {"finish_reason": {"type": "length"}}}\n\ndata: [DONE]\n\n'
+    srv = ServerProcess(MODEL, port=_one_stream(CHUNK + done, chunked=False))
+    res = srv.generate_stream([1, 2, 3], max_new_tokens=2, timeout_s=10)
+    assert res.output_ids == [1567, 1567] and res.ttft_s is not None
