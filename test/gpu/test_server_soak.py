@@ -314,32 +314,46 @@ def _print_phase(r: dict) -> None:
             f"{r['rss_second_half'] / 1e6:.0f} MB; LMDB file {r['lmdb_max'] / 1e6:.1f} MB", flush=True)
 
 
-def _check(reports: list, pending: list, fsck) -> None:
-    assert not pending, f"{len(pending)} request(s) never answered"
-    assert sum(r["retry_out"] for r in reports) == sum(r["retried_in"] for r in reports)
+def _violations(reports: list, pending: list, fsck) -> list:
+    """Every broken invariant of the run, not only the first: a soak costs minutes of a GPU."""
+    bad = []
+
+    def need(ok, what) -> None:
+        if not ok:
+            bad.append(str(what))
+
+    need(not pending, f"{len(pending)} request(s) never answered")
+    need(sum(r["retry_out"] for r in reports) == sum(r["retried_in"] for r in reports), "retries not balanced")
     for r in reports:
-        assert r["n_failures"] == 0, (r["phase"], r["failures"])
-        assert r["n_mismatches"] == 0, (r["phase"], r["mismatches"])
-        assert r["answered"] > 0, r["phase"]
-        assert not r["errors_moved"], (r["phase"], r["errors_moved"])
+        p = r["phase"]
+        need(r["n_failures"] == 0, (p, "failures", r["failures"]))
+        need(r["n_mismatches"] == 0, (p, "ids differ", r["mismatches"]))
+        need(r["answered"] > 0, (p, "nothing answered"))
+        need(not r["errors_moved"], (p, "error counters moved", r["errors_moved"]))
         if "load" in r:
-            assert r["load"]["dropped"] == 0 and r["load"]["live"] == r["used_start"], (r["phase"], r["load"])
+            need(r["load"]["dropped"] == 0 and r["load"]["live"] == r["used_start"], (p, "load", r["load"]))
         if r["end"] == "stop":
             c = r["counters"]
             balance = c["spill_pages_total"] - c["spill_replaced_total"] - c["gc_reclaimed_total"] \
                 - c["bad_pages_dropped_total"]
-            assert balance == r["used_end"] - r["used_start"], (r["phase"], balance, r["used_start"], r["used_end"])
-            assert r["used_stats"] == r["used_end"], (r["phase"], r["used_stats"], r["used_end"])
-            assert r["map_size"] is None or r["lmdb_max"] <= r["map_size"], r["phase"]
+            need(balance == r["used_end"] - r["used_start"], (p, "slot balance", balance, r["used_start"], r["used_end"]))
+            need(r["used_stats"] == r["used_end"], (p, "l3 stats vs metrics", r["used_stats"], r["used_end"]))
+            need(r["map_size"] is None or r["lmdb_max"] <= r["map_size"], (p, "LMDB past its map", r["lmdb_max"]))
         frac, slack = RSS_SLACK
         if r["rss_first_half"]:
-            assert r["rss_second_half"] <= r["rss_first_half"] * (1 + frac) + slack, (r["phase"], r["rss_first_half"],
-                                                                                      r["rss_second_half"])
-    assert sum(r["counters"]["gc_reclaimed_total"] for r in reports) > 0, "GC never ran: capacity not below the working set"
-    assert sum(r["counters"]["reload_pages_total"] for r in reports) > 0, "nothing was ever read from L3"
-    assert any(r["end"] == "kill" for r in reports) and any(r["end"] == "stop" and r["cold_start"] == "load"
-                                                             for r in reports)
-    assert fsck.returncode == 0, fsck.stdout[-3000:] + fsck.stderr[-2000:]
+            need(r["rss_second_half"] <= r["rss_first_half"] * (1 + frac) + slack,
+                 (p, "scheduler RSS grew", r["rss_first_half"], r["rss_second_half"]))
+    need(sum(r["counters"]["gc_reclaimed_total"] for r in reports) > 0, "GC never ran: capacity not below the working set")
+    need(sum(r["counters"]["reload_pages_total"] for r in reports) > 0, "nothing was ever read from L3")
+    need(any(r["end"] == "kill" for r in reports) and any(r["end"] == "stop" and r["cold_start"] == "load"
+                                                          for r in reports), "no kill, or no graceful stop after load")
+    need(fsck.returncode == 0, ("fsck", fsck.stdout[-3000:] + fsck.stderr[-2000:]))
+    return bad
+
+
+def _check(reports: list, pending: list, fsck) -> None:
+    bad = _violations(reports, pending, fsck)
+    assert not bad, f"{len(bad)} soak invariant(s) broken:\n" + "\n".join(bad)
 
 
 def _l2(kind: str, request) -> list:
