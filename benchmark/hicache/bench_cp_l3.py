@@ -460,6 +460,17 @@ def print_per_rank(console, group, pages, devices, shared):
     console.print(t)
 
 
+def _row_line(s: dict, summaries: list) -> str:
+    """One finished row in one line, against the raw row of the same writers and disks measured before it."""
+    raw = next((r for r in reversed(summaries) if r["name"].startswith("raw") and r["world"] == s["world"]
+                and r["disks"] == s["disks"] and r["pages"] == s["pages"]), None)
+    w, r = s["node_write_gbps"][0], s["node_read_gbps"][0]
+    vs = (f" ({w / raw['node_write_gbps'][0]:.2f}x / {r / raw['node_read_gbps'][0]:.2f}x raw)"
+          if raw is not None and raw is not s else "")
+    return (f"row done: {s['name']}, {s['pages']} pages: node write {w:.2f} GB/s, node read {r:.2f} GB/s{vs}; "
+            f"CPU s/GB {s['write_cpu_s_per_gb'][0]:.3f} / {s['read_cpu_s_per_gb'][0]:.3f}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pages", default="64", help="64-token pages in the workload; a comma list runs each size "
@@ -555,6 +566,11 @@ def main():
                                                    zc, engine))
                 s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc, read_engine=engine)
                 summaries.append(s)
+                # each row as it lands (and the JSON so far): a run cut by a bound keeps what it measured
+                tqdm.write(_row_line(s, summaries))
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(summaries, f, indent=2)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

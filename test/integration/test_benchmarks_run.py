@@ -3,6 +3,7 @@ trusted in full runs, but a script that no longer starts or that compares wrong 
 fail CI, not the next person who needs the figures."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,9 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     assert [s["read_engine"] for s in rows[1:]] == ["native", "native"]
     assert all(s["read_cpu_s_per_gb"][0] > 0 for s in rows), rows  # every row reports its CPU per GB
     assert "read CPU s/GB" in proc.stdout
+    # each row is printed as it lands, against its raw row: a run cut by a bound keeps what it measured
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("row done: ours, CP=1, native reads, 16 pages:"))
+    assert re.search(r"node read [0-9.]+ GB/s \([0-9.]+x / [0-9.]+x raw\)", line), line
     bad = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
          str(disk_tmp), "--backup-ack", "durable,soon"],
