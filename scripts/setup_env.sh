@@ -82,6 +82,8 @@ step "sglang's pure-Python imports" --constraint="$CONSTRAINTS" \
   uvicorn==0.54.0 fastapi==0.165.0 jsonschema==4.26.0 xgrammar==0.2.7 \
   soundfile==0.13.1 python-multipart==0.0.34 pytest==9.2.0 lmdb==3.0.0 \
   prometheus_client==0.26.0 rich==15.0.0 crc32c==2.9.post0 hypothesis==6.155.2
+# A sampling profiler for bench_server_ttft --profile (benchmark/hicache/pyspy_profile.py) and its test.
+step "py-spy (profiles)" py-spy==0.4.3
 # cachebench's PNG plot (matplotlib pulls contourpy, cycler, fonttools, kiwisolver,
 # pyparsing, python-dateutil; dateutil < 3 because sglang 0.5.23 declares that bound).
 step "matplotlib (cachebench plot)" --constraint="$CONSTRAINTS" \

@@ -25,6 +25,11 @@ also shown against the raw disk read speed of the same run.
 
 ``run`` writes ``ttft.json``, ``ttft.png`` and prints the table; ``report`` merges the
 JSON of several runs (e.g. one model per run) into one table and plot.
+
+``--profile``: one more prompt per length, restored on server B under py-spy (every thread of the
+server's processes, waits included; ``pyspy_profile.py``) after the timed ones, so the table's rows stay
+unprofiled: ``profile-<model>-<tokens>.txt`` (collapsed stacks) in ``--out-dir``, and a summary per
+thread role (where the restore's time went) printed and kept in the JSON under ``profiles``.
 """
 
 from __future__ import annotations
@@ -133,6 +138,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     log(f"[{name}] raw: write {raw0['write_gbps']:.2f} GB/s, read {raw0['read_gbps']:.2f} GB/s")
 
     P = {L: [prompt(L, 1000 * L + i) for i in range(reps)] for L in lengths}
+    # --profile: one more prompt per length, spilled with the others, restored under py-spy after them
+    extra = {L: prompt(L, 1000 * L + 999) for L in lengths} if args.profile else {}
     max_total = int(max(lengths) * 1.25) + 2 * PAGE
     common = dict(context_length=max(lengths) + 256, max_total_tokens=max_total,
                   mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout,
@@ -179,7 +186,9 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 r = a.generate(p, 1)
                 rows["l2"].append(rec(r, L))
                 log(f"[{name}] re-send   {L} #{i}: {r.latency_s:.3f} s {r.cached_details}")
-        want = sum((L - 1) // PAGE for L in lengths) * reps
+        for L, p in extra.items():
+            a.generate(p, 1)
+        want = sum((L - 1) // PAGE for L in lengths) * (reps + (1 if extra else 0))
         t = time.monotonic()
         # The target-KV payload's pages (a DSA page also spills an indexer-K payload page).
         deadline = t + args.spill_timeout
@@ -210,6 +219,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 rows["device"].append(rec(d, L))
                 log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
                     f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s")
+        if extra:
+            res["profiles"] = profile_restores(b, extra, name, args.out_dir)
         res["metrics_B"] = {k: v for k, v in b.metrics().items() if k.startswith("sglang:cp_l3")}
     finally:
         b.stop()
@@ -220,6 +231,23 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     res["rows"] = rows
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
+    """Each prompt's L3 restore under py-spy; its TTFT, cache sources and a summary per thread role."""
+    import pyspy_profile
+
+    out = []
+    for L, p in prompts.items():
+        path = os.path.join(out_dir, f"profile-{name}-{L}.txt")
+        with pyspy_profile.Recorder(server.proc.pid, path):
+            r = server.generate(p, 1)
+        summary = pyspy_profile.summarize(path)
+        log(f"[{name}] profiled L3 restore {L}: {r.latency_s:.3f} s {r.cached_details}; {path}\n"
+            + pyspy_profile.format_summary(summary))
+        out.append({"tokens": L, "ttft_s": r.latency_s, "cached": r.cached_details, "path": path,
+                    "summary": summary})
+    return out
 
 
 def summarize(res: dict) -> list:
@@ -344,6 +372,8 @@ def main(argv=None):
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--spill-timeout", type=float, default=300)
+    r.add_argument("--profile", action="store_true",
+                   help="restore one more prompt per length under py-spy (pip install py-spy)")
     p = sub.add_parser("report", help="merge ttft.json files into one table and plot")
     p.add_argument("json", nargs="+")
     p.add_argument("--out-dir", default="out/ttft")
@@ -358,6 +388,11 @@ def main(argv=None):
         return 0
 
     sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+    if args.profile:
+        sys.path.insert(0, HERE)
+        import pyspy_profile
+
+        pyspy_profile.pyspy_binary()  # fails now, with the fix, rather than after the first server
     from sglang_cp.cachebench import rawdisk
     from sglang_cp.server_process import ServerProcess, ServerStartError
 

@@ -1,0 +1,54 @@
+"""benchmark/hicache/pyspy_profile.py (bench_server_ttft --profile) against a real process: py-spy
+attaches to a running interpreter, records every thread (waits included) for the section inside the
+``with``, and the summary names each thread by its role and says where its samples ended."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location(
+    "pyspy_profile", os.path.join(HERE, "..", "..", "benchmark", "hicache", "pyspy_profile.py"))
+pp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pp)
+
+CHILD = textwrap.dedent("""
+    import sys, threading, time
+    stop = threading.Event()
+    def spin_in_python():
+        while not stop.is_set():
+            sum(range(1000))
+    def wait_for_stop():
+        stop.wait(120)
+    for f in (spin_in_python, wait_for_stop):
+        threading.Thread(target=f).start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    stop.set()
+""")
+
+
+def test_a_recording_names_each_thread_and_where_it_spent_the_section(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        path = str(tmp_path / "p.txt")
+        with pp.Recorder(child.pid, path, rate=200, attach_s=1.0):
+            time.sleep(1.0)
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=60)
+    s = pp.summarize(path)
+    roles = {r["role"]: r for r in s["roles"]}
+    assert {"spin_in_python", "wait_for_stop", "MainThread"} <= {r.split(":")[0] for r in roles}, roles.keys()
+    spin = next(r for k, r in roles.items() if k.startswith("spin_in_python"))
+    wait = next(r for k, r in roles.items() if k.startswith("wait_for_stop"))
+    # the spinning thread's samples end in its own function (or what it calls), the waiter's in a wait
+    assert any("spin_in_python" in f for f, _ in spin["leaves"]), spin
+    assert wait["leaves"][0][0].startswith("Condition.wait"), wait
+    assert s["samples"] == sum(r["samples"] for r in s["roles"]) and 100 < spin["samples"] < 2000, s
+    assert "spin_in_python" in pp.format_summary(s)
