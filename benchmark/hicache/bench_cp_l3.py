@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -53,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "test", "integration"))
+sys.path.insert(1, HERE)  # pyspy_profile (--profile)
 
 from cp_harness import PAGE, Rank, run_ranks  # noqa: E402
 
@@ -123,7 +125,9 @@ class PhaseProbes:
 
 
 def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,
-               phases=False):
+               phases=False, profile=None):
+    import contextlib
+
     from cp_scenarios import tokens_for
 
     # Under sharding a rank's host (and device) pool holds its own stripe; logical capacity is x world.
@@ -164,12 +168,21 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             dropped = drop_caches()
         else:
             dropped = None
-        r.dist.barrier()
-        c1 = cpu_s()
-        t1 = time.perf_counter()
-        hit, completed, hi2 = r.prefetch(tokens, timeout=600)
-        t_read = time.perf_counter() - t1
-        cpu_read = cpu_s() - c1
+        # --profile: py-spy attaches to this rank (every thread: upstream's and ours) before the clock starts
+        recording = contextlib.nullcontext()
+        if profile and backend == "cp_l3":
+            import pyspy_profile
+
+            # CPU samples only, at 199 Hz: on a host with few cores py-spy would otherwise take the cores
+            # the read needs (docs_internal/bench_results.md, section 17)
+            recording = pyspy_profile.Recorder(os.getpid(), f"{profile}-rank{rank}.txt", rate=199, idle=False)
+        with recording:
+            r.dist.barrier()
+            c1 = cpu_s()
+            t1 = time.perf_counter()
+            hit, completed, hi2 = r.prefetch(tokens, timeout=600)
+            t_read = time.perf_counter() - t1
+            cpu_read = cpu_s() - c1
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         zero_copy_pages = r.backend.store.stats()["counters"]["zero_copy_pages"] if backend == "cp_l3" else 0
         return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
@@ -329,8 +342,17 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         _insert_before(cfg, "[[disks]]\n", io + "\n", "")
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
+        profile = None
+        if args.profile:
+            slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
+            profile = os.path.join(os.path.abspath(args.profile), f"profile-{slug}-{pages}p-rep{rep}")
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
-                                            args.phases), timeout=1200)
+                                            args.phases, profile), timeout=1200)
+        if profile:
+            import pyspy_profile
+
+            print(f"{name}, rep {rep}, rank 0's cold read under py-spy ({profile}-rank0.txt):\n"
+                       + pyspy_profile.format_summary(pyspy_profile.summarize(f"{profile}-rank0.txt")))
         for r in res:
             if r["equal"] != r["checked"] or r["completed"] != pages * PAGE:
                 raise SystemExit(f"{name}: data check failed on rank {r['rank']}: {r}")
@@ -497,9 +519,17 @@ def main():
                         "(N=1: '1 writer' and 'ours, CP=1'); 8 = a node of eight ranks")
     p.add_argument("--read-engine", default="python",
                    help="io.read_engine of our rows: python, native, or both (one row per engine)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="record each rank's cold read of our rows under py-spy into DIR and print rank 0's "
+                        "time per thread role (a profile run: py-spy's sampling costs CPU; pip install py-spy)")
     p.add_argument("--phases", action="store_true",
                    help="record per-phase timestamps of each rank's backup in our rows and print where the time goes")
     args = p.parse_args()
+    if args.profile:
+        import pyspy_profile
+
+        pyspy_profile.pyspy_binary()
+        os.makedirs(args.profile, mode=0o700, exist_ok=True)
     try:
         sizes = [int(x) for x in str(args.pages).split(",")]
         if not sizes or min(sizes) < 1:

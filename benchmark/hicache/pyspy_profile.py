@@ -43,13 +43,19 @@ def pyspy_binary() -> str:
 class Recorder:
     """``with Recorder(pid, path):`` records the section inside the block (after an attach delay)."""
 
-    def __init__(self, pid: int, path: str, rate: int = 997, attach_s: float = 1.0, stop_s: float = 60.0):
+    def __init__(self, pid: int, path: str, rate: int = 997, attach_s: float = 1.0, stop_s: float = 60.0,
+                 idle: bool = True):
+        # idle: sample waiting threads too (where each thread waits). py-spy's sampling takes about a core
+        # at 1 kHz over a server's ~15 threads: on a host with few cores lower the rate, or it perturbs
+        # what it measures (threads shown at a line they are only runnable at).
         self.pid, self.path, self.rate, self.attach_s, self.stop_s = pid, path, rate, attach_s, stop_s
+        self.idle = idle
         self.proc = None
         self.log = path + ".log"
 
     def __enter__(self) -> "Recorder":
-        cmd = [pyspy_binary(), "record", "--pid", str(self.pid), "--subprocesses", "--threads", "--idle",
+        cmd = [pyspy_binary(), "record", "--pid", str(self.pid), "--subprocesses", "--threads",
+               *(["--idle"] if self.idle else []),
                "--rate", str(self.rate), "--format", "raw", "--output", self.path, "--nonblocking"]
         self._log = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
@@ -75,7 +81,12 @@ def _records(f):
         buf += line
         m = re.search(r" (\d+)\n?$", buf)
         if m:
-            yield buf[:m.start()].replace("\n", " ").split(";"), int(m[1])
+            stack = buf[:m.start()].replace("\n", " ")
+            head = []
+            p = re.match(r'process \d+:".*?";(?=thread \()', stack)  # its command line may hold ';'
+            if p:
+                head, stack = [p[0][:-1]], stack[p.end():]
+            yield head + stack.split(";"), int(m[1])
             buf = ""
 
 
@@ -127,17 +138,16 @@ def _thread_name(frame: str) -> str:
 
 def _short_process(frame: str) -> str:
     """'process 123:"python -m sglang.launch_server ..."' -> 'pid 123 (sglang.launch_server)'; py-spy
-    names sglang's children by their process titles (sglang::scheduler...)."""
-    m = re.match(r'process (\d+):"(.*)"', frame)
+    names sglang's children by their process titles (sglang::scheduler...); others by pid alone."""
+    m = re.match(r'process (\d+):"(.*)"', frame, re.S)
     if not m:
         return frame
-    words = m[2].split()
-    name = next((w for w in words if w.startswith("sglang")), words[0] if words else "?")
-    return f"pid {m[1]} ({name})"
+    name = next((w for w in m[2].split() if w.startswith("sglang")), None)
+    return f"pid {m[1]} ({name})" if name else f"pid {m[1]}"
 
 
 def format_summary(s: dict, min_share: float = 0.02) -> str:
-    lines = [f"{s['samples']} samples (every thread, idle included)"]
+    lines = [f"{s['samples']} samples (share of all threads' samples; with idle sampling, waits included)"]
     for r in s["roles"]:
         if r["share"] < min_share:
             continue

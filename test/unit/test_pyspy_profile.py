@@ -16,8 +16,7 @@ pp = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pp)
 
 CHILD = textwrap.dedent("""
-    import sys, threading, time
-    stop = threading.Event()
+    import sys, threading, time; stop = threading.Event()  # ';' and newlines in the command line py-spy quotes
     def spin_in_python():
         while not stop.is_set():
             sum(range(1000))
@@ -52,3 +51,4 @@ def test_a_recording_names_each_thread_and_where_it_spent_the_section(tmp_path):
     assert wait["leaves"][0][0].startswith("Condition.wait"), wait
     assert s["samples"] == sum(r["samples"] for r in s["roles"]) and 100 < spin["samples"] < 2000, s
     assert "spin_in_python" in pp.format_summary(s)
+    assert {r["process"] for r in s["roles"]} == {f"pid {child.pid}"}, s["roles"]
