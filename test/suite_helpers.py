@@ -8,16 +8,26 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_py(code: str, env_extra: dict | None = None, timeout: float = 300, check: bool = False):
-    """Run ``code`` in a fresh interpreter of this venv (real processes, real sglang)."""
+def fresh_env(env_extra: dict | None = None) -> dict:
+    """This environment for a fresh interpreter of the suite: the plugin enabled and allowed (no
+    SGLANG_CP_DISABLE, no SGLANG_PLUGINS allowlist left by the caller), warnings quiet, then ``env_extra``."""
     env = dict(os.environ)
     env.pop("SGLANG_CP_DISABLE", None)
     env.pop("SGLANG_PLUGINS", None)
     env["PYTHONWARNINGS"] = "ignore"
-    if env_extra:
-        env.update(env_extra)
+    env.update(env_extra or {})
+    return env
+
+
+def py_job(code: str, env_extra: dict | None = None):
+    """``code`` in a fresh interpreter with ``fresh_env``, as a ``run_all`` job."""
+    return [sys.executable, "-c", code], {"env": fresh_env(env_extra)}
+
+
+def run_py(code: str, env_extra: dict | None = None, timeout: float = 300, check: bool = False):
+    """Run ``code`` in a fresh interpreter of this venv (real processes, real sglang)."""
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+        [sys.executable, "-c", code], capture_output=True, text=True, env=fresh_env(env_extra),
         timeout=timeout, cwd=REPO,
     )
     if check and proc.returncode != 0:

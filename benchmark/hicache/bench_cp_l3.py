@@ -54,8 +54,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "test", "integration"))
-sys.path.insert(1, HERE)  # pyspy_profile (--profile)
+sys.path.insert(1, HERE)
 
+import pyspy_profile  # noqa: E402  (--profile)
 from cp_harness import PAGE, Rank, run_ranks  # noqa: E402
 
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
@@ -171,8 +172,6 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         # --profile: py-spy attaches to this rank (every thread: upstream's and ours) before the clock starts
         recording = contextlib.nullcontext()
         if profile and backend == "cp_l3":
-            import pyspy_profile
-
             # CPU samples only, at 199 Hz: on a host with few cores py-spy would otherwise take the cores
             # the read needs (docs_internal/bench_results.md, section 17)
             recording = pyspy_profile.Recorder(os.getpid(), f"{profile}-rank{rank}.txt", rate=199, idle=False)
@@ -349,10 +348,8 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
                                             args.phases, profile), timeout=1200)
         if profile:
-            import pyspy_profile
-
             print(f"{name}, rep {rep}, rank 0's cold read under py-spy ({profile}-rank0.txt):\n"
-                       + pyspy_profile.format_summary(pyspy_profile.summarize(f"{profile}-rank0.txt")))
+                  + pyspy_profile.format_summary(pyspy_profile.summarize(f"{profile}-rank0.txt")))
         for r in res:
             if r["equal"] != r["checked"] or r["completed"] != pages * PAGE:
                 raise SystemExit(f"{name}: data check failed on rank {r['rank']}: {r}")
@@ -526,8 +523,6 @@ def main():
                    help="record per-phase timestamps of each rank's backup in our rows and print where the time goes")
     args = p.parse_args()
     if args.profile:
-        import pyspy_profile
-
         pyspy_profile.pyspy_binary()
         os.makedirs(args.profile, mode=0o700, exist_ok=True)
     try:

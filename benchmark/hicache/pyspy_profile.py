@@ -61,6 +61,7 @@ class Recorder:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         time.sleep(self.attach_s)  # py-spy finds the children and starts sampling
         if self.proc.poll() is not None:
+            self._log.close()
             raise RuntimeError(f"py-spy exited at once ({self.proc.returncode}): {open(self.log).read()[-2000:]}")
         return self
 

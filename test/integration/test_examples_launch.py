@@ -8,11 +8,10 @@ import json
 import os
 import re
 import shlex
-import sys
 
 import pytest
 
-from suite_helpers import REPO, run_all
+from suite_helpers import REPO, py_job, run_all
 
 EXAMPLES = os.path.join(REPO, "examples")
 
@@ -58,10 +57,7 @@ print("RESULT " + json.dumps({{k: getattr(c, k, getattr(sa, k, None)) for k in k
 
 
 def _parse_job(argv):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("SGLANG_CP_DISABLE", None)
-    env.pop("SGLANG_PLUGINS", None)
-    return [sys.executable, "-c", PARSE.format(argv=json.dumps(argv))], {"env": env}
+    return py_job(PARSE.format(argv=json.dumps(argv)))
 
 
 def _result(p):

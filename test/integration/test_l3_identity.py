@@ -5,13 +5,11 @@ topology; and keys that name the logical KV dtype (fp8 formats share uint8 host 
 """
 
 import json
-import os
-import sys
 import textwrap
 
 import pytest
 
-from suite_helpers import run_all
+from suite_helpers import py_job, run_all
 
 CODE = textwrap.dedent(
     """
@@ -127,11 +125,7 @@ CODE = textwrap.dedent(
 
 
 def _rows_job(l3cfg, *args):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    env.pop("SGLANG_CP_DISABLE", None)
-    env.pop("SGLANG_PLUGINS", None)
-    code = f"import sys; sys.argv = ['x'] + {json.dumps([l3cfg, *args])}\n" + CODE
-    return [sys.executable, "-c", code], {"env": env}
+    return py_job(f"import sys; sys.argv = ['x'] + {json.dumps([l3cfg, *args])}\n" + CODE, {"HF_HUB_OFFLINE": "1"})
 
 
 def _rows(p):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from suite_helpers import run_all
+from suite_helpers import fresh_env, run_all
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,22 +24,15 @@ runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 """
 
 
-def _env():
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env.pop("SGLANG_CP_DISABLE", None)
-    env.pop("SGLANG_PLUGINS", None)
-    return env
-
-
 def launch_argv(args, broken=False):
     cmd = [sys.executable, "-c", BROKEN] if broken else [sys.executable, "-m", "sglang.launch_server"]
-    return (cmd + ["--model-path", "dummy", *args], {"env": _env()})
+    return (cmd + ["--model-path", "dummy", *args], {"env": fresh_env()})
 
 
 def serve_argv(args):
     model = os.path.join(REPO, "test", "gpu", "models", "tiny-dsv3")  # local: no hub lookup to pick a backend
     return ([os.path.join(os.path.dirname(sys.executable), "sglang"), "serve", "--model-path", model, *args],
-            {"env": _env()})
+            {"env": fresh_env()})
 
 
 YAML_CHECK = ("import sys; from sglang.srt.plugins import load_plugins; load_plugins(); "
@@ -68,11 +61,11 @@ def runs(tmp_path_factory):
         "config_twice": launch_argv(["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "a.toml",
                                      "--cp-l3-config", "b.toml"]),
         "yaml": ([sys.executable, "-c", YAML_CHECK, "--config", str(yaml), "--model-path", "dummy",
-                  "--cp-l3-cold-start", "load"], {"env": _env()}),
+                  "--cp-l3-cold-start", "load"], {"env": fresh_env()}),
         "serve_choice": serve_argv(["--cp-l3-cold-start", "loadd"]),
         "serve_cross": serve_argv(["--enable-cp-l3", "--cp-l3-config", "x.toml"]),
         "serve_help": serve_argv(["--help"]),
-        "launch_help": ([sys.executable, "-m", "sglang.launch_server", "--help"], {"env": _env()}),
+        "launch_help": ([sys.executable, "-m", "sglang.launch_server", "--help"], {"env": fresh_env()}),
     }, timeout=240)
 
 

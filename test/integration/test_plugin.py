@@ -5,13 +5,11 @@ Processes are real: each scenario starts a fresh interpreter so upstream's one-s
 """
 
 import json
-import os
-import sys
 import textwrap
 
 import pytest
 
-from suite_helpers import run_all, run_py
+from suite_helpers import py_job, run_all, run_py
 
 PARSE = textwrap.dedent(
     """
@@ -33,16 +31,6 @@ PARSE = textwrap.dedent(
     print("FLAGS", json.dumps({n: getattr(a, n, "<absent>") for n in names}))
     """
 )
-
-
-def py_job(code, env_extra=None):
-    """A fresh interpreter running `code`, set up as suite_helpers.run_py sets it up."""
-    env = dict(os.environ)
-    env.pop("SGLANG_CP_DISABLE", None)
-    env.pop("SGLANG_PLUGINS", None)
-    env["PYTHONWARNINGS"] = "ignore"
-    env.update(env_extra or {})
-    return [sys.executable, "-c", code], {"env": env}
 
 
 def parse_job(argv, env=None):
