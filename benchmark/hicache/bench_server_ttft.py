@@ -28,8 +28,10 @@ JSON of several runs (e.g. one model per run) into one table and plot.
 
 ``--profile``: one more prompt per length, restored on server B under py-spy (every thread of the
 server's processes, waits included; ``pyspy_profile.py``) after the timed ones, so the table's rows stay
-unprofiled: ``profile-<model>-<tokens>.txt`` (collapsed stacks) in ``--out-dir``, and a summary per
-thread role (where the restore's time went) printed and kept in the JSON under ``profiles``.
+unprofiled: ``profile-<model>-<tokens>.json`` (py-spy's chrometrace: open it in ui.perfetto.dev) in
+``--out-dir``, a summary per thread role (where the restore's time went) and the restore's timeline
+(when each thread was inside which function, from the scheduler's receipt of the request), printed and
+kept in the JSON under ``profiles``.
 """
 
 from __future__ import annotations
@@ -220,7 +222,11 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
                     f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s")
         if extra:
-            res["profiles"] = profile_restores(b, extra, name, args.out_dir)
+            try:
+                res["profiles"] = profile_restores(b, extra, name, args.out_dir)
+            except (OSError, RuntimeError) as e:  # py-spy could not attach: the timed rows still stand
+                log(f"[{name}] profile failed: {e}")
+                res["profiles"] = {"error": str(e)[-2000:]}
         res["metrics_B"] = {k: v for k, v in b.metrics().items() if k.startswith("sglang:cp_l3")}
     finally:
         b.stop()
@@ -234,19 +240,28 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
 
 
 def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
-    """Each prompt's L3 restore under py-spy; its TTFT, cache sources and a summary per thread role."""
+    """Each prompt's L3 restore under py-spy (chrometrace: every stack change with its time): its TTFT,
+    cache sources, a summary per thread role, and the timeline of the restore (when each thread was
+    inside the scheduler's, upstream's storage threads' and our backend's functions, from the
+    scheduler's receipt of the request)."""
     import pyspy_profile
 
     out = []
     for L, p in prompts.items():
-        path = os.path.join(out_dir, f"profile-{name}-{L}.txt")
-        with pyspy_profile.Recorder(server.proc.pid, path):
+        path = os.path.join(out_dir, f"profile-{name}-{L}.json")
+        with pyspy_profile.Recorder(server.proc.pid, path, fmt="chrometrace"):
             r = server.generate(p, 1)
         summary = pyspy_profile.summarize(path)
+        window_ms = 1000 * r.latency_s + 50
+        try:
+            tl = pyspy_profile.timeline(path, pyspy_profile.RESTORE_FUNCS, pyspy_profile.RESTORE_ANCHOR, window_ms)
+            shown = pyspy_profile.format_timeline(tl)
+        except ValueError as e:  # the anchor was not sampled: the summary still stands
+            tl, shown = None, str(e)
         log(f"[{name}] profiled L3 restore {L}: {r.latency_s:.3f} s {r.cached_details}; {path}\n"
-            + pyspy_profile.format_summary(summary))
+            + pyspy_profile.format_summary(summary) + "\n" + shown)
         out.append({"tokens": L, "ttft_s": r.latency_s, "cached": r.cached_details, "path": path,
-                    "summary": summary})
+                    "summary": summary, "timeline": tl})
     return out
 
 

@@ -52,3 +52,60 @@ def test_a_recording_names_each_thread_and_where_it_spent_the_section(tmp_path):
     assert s["samples"] == sum(r["samples"] for r in s["roles"]) and 100 < spin["samples"] < 2000, s
     assert "spin_in_python" in pp.format_summary(s)
     assert {r["process"] for r in s["roles"]} == {f"pid {child.pid}"}, s["roles"]
+
+
+PHASES = textwrap.dedent("""
+    import sys, threading, time
+    go = threading.Event()
+    def spin(s):
+        t = time.monotonic()
+        while time.monotonic() - t < s:
+            sum(range(1000))
+    def phase_one():
+        spin(0.3)
+    def phase_two():
+        spin(0.3)
+    def worker():
+        go.wait(120)
+        phase_one()
+        phase_two()
+    threading.Thread(target=worker).start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    sys.stdin.readline()
+""")
+
+
+def test_a_chrometrace_gives_when_each_thread_was_inside_each_function(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", PHASES], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        path = str(tmp_path / "p.json")
+        with pp.Recorder(child.pid, path, rate=200, attach_s=1.0, fmt="chrometrace"):
+            child.stdin.write("\n")
+            child.stdin.flush()
+            time.sleep(1.5)
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=60)
+    t = pp.timeline(path, r"^phase_(one|two)$", r"^phase_one$")
+    rows = {r["func"]: r for r in t["rows"]}
+    one, two = rows["phase_one"], rows["phase_two"]
+    # anchored at phase_one's entry; phase_two follows it in the same thread, each entered once
+    assert one["start_ms"] == 0 and one["spans"] == 1 and two["spans"] == 1, rows
+    assert one["end_ms"] <= two["start_ms"] < two["end_ms"], rows
+    assert one["role"] == two["role"] and one["role"].startswith("worker"), rows
+    assert {r["process"] for r in t["rows"]} == {f"pid {child.pid}"}, t["rows"]
+    assert "phase_two" in pp.format_timeline(t)
+    # the same recording summarizes per role, weighted by time
+    s = pp.summarize(path)
+    assert s["unit"] == "us" and any(r["role"].startswith("worker") for r in s["roles"]), s
+    try:
+        pp.timeline(path, "phase", r"^no_such_function$")
+    except ValueError as e:
+        assert "no_such_function" in str(e)
+    else:
+        raise AssertionError("an anchor that matches nothing must be refused")
