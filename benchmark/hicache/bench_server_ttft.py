@@ -123,7 +123,9 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     work = os.path.join(args.work_dir, f"ttft-{os.path.basename(model)}")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, mode=0o700)
-    working_set = sum(lengths) * reps * per_tok
+    # --profile spills one more prompt per length: it counts, or GC reclaims the timed prompts' first pages
+    # (oldest first) and their restores become recomputes
+    working_set = sum(lengths) * (reps + (1 if args.profile else 0)) * per_tok
     capacity = max(4.0, 1.3 * working_set / GB)
     free = shutil.disk_usage(work).free / GB
     if free < capacity + 5:
@@ -211,16 +213,19 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
         warm(b)
         for L in lengths:
             for i, p in enumerate(P[L]):
-                before = b.metrics().get("sglang:cp_l3_reload_bytes_total", 0.0)
+                before = b.metrics()
                 r = b.generate(p, 1)
                 row = rec(r, L)
                 time.sleep(1.2)  # the cp_l3 counters are published every second
-                row["reload_bytes"] = b.metrics().get("sglang:cp_l3_reload_bytes_total", 0.0) - before
+                after = b.metrics()
+                for key, metric in STORE_COUNTERS.items():
+                    row[key] = after.get(metric, 0.0) - before.get(metric, 0.0)
                 rows["l3"].append(row)
                 d = b.generate(p, 1)
                 rows["device"].append(rec(d, L))
                 log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
-                    f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s")
+                    f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s"
+                    + ("" if r.storage_tokens else "  NOT SERVED FROM L3 (left out of the table; see metrics_B)"))
         if extra:
             try:
                 res["profiles"] = profile_restores(b, extra, name, args.out_dir)
@@ -265,6 +270,14 @@ def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
     return out
 
 
+# Per restore, the store's own share of it (counter deltas around the request): the bytes, the wall time
+# inside our page reads (index lookup, reads, CRC, copy into the host pool) and inside our hit queries.
+# What the restore costs beyond a device hit and outside those two is upstream's: its thread hand-offs,
+# the hash of the prompt's pages, the host pool -> GPU load and the scheduling around them.
+STORE_COUNTERS = {"reload_bytes": "sglang:cp_l3_reload_bytes_total", "read_s": "sglang:cp_l3_read_seconds_total",
+                  "read_calls": "sglang:cp_l3_read_calls_total", "hitq_s": "sglang:cp_l3_hit_query_seconds_total"}
+
+
 def summarize(res: dict) -> list:
     """One table row per (model, length) from a run_model() result."""
     raw_read = statistics.mean(r["read_gbps"] for r in res["raw"])
@@ -284,6 +297,11 @@ def summarize(res: dict) -> list:
             if r["storage"] >= 0.9 * cached and r["reload_bytes"] > 0:
                 t = max(1e-6, r["ttft_s"] - f["ttft_s"])
                 rates.append(r["reload_bytes"] / t / GB)
+        # the store's own rate, and the restore's time outside the store (beyond a device hit)
+        served = [(r, f) for r, f in zip([r for r in res["rows"]["l3"] if r["tokens"] == L], floors)
+                  if r["storage"] >= 0.9 * cached and r.get("read_s", 0) > 0]
+        store_rates = [r["reload_bytes"] / r["read_s"] / GB for r, _f in served]
+        outside = [(r["ttft_s"] - f["ttft_s"]) - r["read_s"] - r.get("hitq_s", 0.0) for r, f in served]
         same = [a["first_token"] == b["first_token"]
                 for a, b in zip(pick("recompute", lambda r: True), pick("l3", lambda r: True))]
         out.append({
@@ -296,6 +314,11 @@ def summarize(res: dict) -> list:
             "restore_gbps": med(rates),
             "raw_read_gbps": raw_read,
             "restore_x_raw": (statistics.median(rates) / raw_read) if rates else None,
+            "store_read_gbps": med(store_rates),
+            "store_x_raw": (statistics.median(store_rates) / raw_read) if store_rates else None,
+            "read_s": med([r["read_s"] for r, _f in served]),
+            "hit_query_s": med([r.get("hitq_s", 0.0) for r, _f in served]),
+            "outside_store_s": med(outside),
             "speedup_l3_vs_recompute": (statistics.median([r["ttft_s"] for r in rec])
                                         / statistics.median([r["ttft_s"] for r in l3])) if rec and l3 else None,
             "same_first_token": all(same) if same else None,
@@ -312,7 +335,8 @@ def fmt(m, unit=""):
 def render(results: list, out_dir: str) -> None:
     rows = [r for res in results for r in summarize(res)]
     head = ["model", "tokens", "recompute TTFT s", "L2 hit TTFT s", "L3 restore TTFT s", "L3 vs recompute",
-            "device-hit TTFT s", "restored GB", "restore GB/s", "raw read GB/s", "restore x raw", "same token"]
+            "device-hit TTFT s", "restored GB", "restore GB/s", "raw read GB/s", "restore x raw",
+            "store read GB/s", "store x raw", "restore - device - store s", "same token"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
@@ -322,6 +346,8 @@ def render(results: list, out_dir: str) -> None:
             f"{r['restored_gb']['median']:.2f}" if r["restored_gb"] else "-",
             fmt(r["restore_gbps"]), f"{r['raw_read_gbps']:.2f}",
             f"{r['restore_x_raw']:.2f}x" if r["restore_x_raw"] else "-",
+            fmt(r.get("store_read_gbps")), f"{r['store_x_raw']:.2f}x" if r.get("store_x_raw") else "-",
+            fmt(r.get("outside_store_s")),
             {True: "yes", False: "NO", None: "-"}[r["same_first_token"]]]) + " |")
     table = "\n".join(lines)
     print(table, flush=True)

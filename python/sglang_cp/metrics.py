@@ -41,6 +41,10 @@ COUNTERS = {
     "hit_query_ns": ("cp_l3_hit_query_seconds_total",
                      "Wall seconds spent in L3 hit queries (key digests, held-table probes); divided by "
                      "cp_l3_hit_queries_total: the mean query time, which index.digest_threads lowers."),
+    "read_calls": ("cp_l3_read_calls_total", "L3 page-read calls (one per upstream prefetch batch of this rank)."),
+    "read_ns": ("cp_l3_read_seconds_total",
+                "Wall seconds spent in L3 page-read calls (index lookup, reads, CRC checks, copy into the host "
+                "pool); cp_l3_reload_bytes_total over it: the store's own restore rate."),
 }
 # store per-payload counter -> (metric suffix, help); labelled by ``payload`` (kv, indexer, ...)
 PAYLOAD_COUNTERS = {
@@ -50,7 +54,7 @@ PAYLOAD_COUNTERS = {
                    "Pages of one payload dropped because their CRC did not match (the page is a miss)."),
 }
 # store counters kept in another unit than their metric's: factor to the metric's unit
-SCALE = {"hit_query_ns": 1e-9}
+SCALE = {"hit_query_ns": 1e-9, "read_ns": 1e-9}
 GAUGES = {
     "used_slots": ("cp_l3_used_slots", "L3 slots in use, per payload."),
     "total_slots": ("cp_l3_total_slots", "L3 slots available, per payload."),

@@ -22,7 +22,7 @@ def _run():
                    {"tokens": L, "ttft_s": 0.05, "first_token": 7, "device": cached, "host": 0, "storage": 0}]
     for t in (0.22, 0.23, 0.25):
         rows["l3"].append({"tokens": L, "ttft_s": t, "first_token": 7, "device": 0, "host": 0,
-                           "storage": cached, "reload_bytes": 0.3e9})
+                           "storage": cached, "reload_bytes": 0.3e9, "read_s": 0.1, "hitq_s": 0.01})
         rows["device"].append({"tokens": L, "ttft_s": 0.07, "first_token": 7, "device": cached, "host": 0,
                                "storage": 0})
     return {"model": "m", "lengths": [L], "reps": 3, "rows": rows,
@@ -36,6 +36,9 @@ def test_summary_counts_only_requests_served_from_the_named_path():
     assert abs(row["restore_gbps"]["median"] - 0.3 / 0.16) < 1e-9  # bytes / (restore - device floor)
     assert abs(row["restore_x_raw"] - (0.3 / 0.16) / 1.5) < 1e-9  # raw = mean of the two probes
     assert row["same_first_token"] is True
+    # the store's own share: its read rate, and what is left of (restore - device hit) outside it
+    assert abs(row["store_read_gbps"]["median"] - 3.0) < 1e-9 and abs(row["store_x_raw"] - 2.0) < 1e-9
+    assert abs(row["outside_store_s"]["median"] - (0.23 - 0.07 - 0.1 - 0.01)) < 1e-9
 
 
 def test_report_merges_runs_into_table_json_and_plot(tmp_path):

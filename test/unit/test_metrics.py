@@ -33,6 +33,10 @@ def test_metrics_follow_a_real_store(disk_tmp):
         seconds = float(text.split(f"sglang:cp_l3_hit_query_seconds_total{{{lab}}} ")[1].split()[0])
         assert 0 < seconds < 1.0, seconds
         assert seconds == pytest.approx(store.stats()["counters"]["hit_query_ns"] / 1e9)
+        # one read call (6 keys, one a miss), timed the same way
+        assert f"sglang:cp_l3_read_calls_total{{{lab}}} 1.0" in text
+        read_s = float(text.split(f"sglang:cp_l3_read_seconds_total{{{lab}}} ")[1].split()[0])
+        assert 0 < read_s == pytest.approx(store.stats()["counters"]["read_ns"] / 1e9), read_s
         assert f"sglang:cp_l3_spill_pages_total{{{lab}}} 5.0" in text
         assert f"sglang:cp_l3_reload_pages_total{{{lab}}} 5.0" in text
         assert f"sglang:cp_l3_read_misses_total{{{lab}}} 1.0" in text

@@ -65,7 +65,7 @@ COUNTERS = ("spill_pages", "spill_bytes", "zero_copy_pages", "write_dedup_pages"
             "header_errors", "foreign_blobs", "short_reads", "bad_pages_dropped", "gc_reclaimed",
             "gc_forced", "mapfull", "map_grows", "index_errors", "touches", "touches_dropped",
             "deleted_pages", "pool_full", "read_timeouts", "write_timeouts", "clear_errors",
-            "hit_queries", "hit_query_keys", "hit_query_ns", "spill_replaced")
+            "hit_queries", "hit_query_keys", "hit_query_ns", "spill_replaced", "read_calls", "read_ns")
 # Kept per payload too: a page of a model with sidecars (DSA indexer-K, packed MTP draft layers) is a
 # hit only when every payload of it is good, so "which payload failed" is what an operator needs.
 PAYLOAD_COUNTERS = ("spill_pages", "reload_hits", "crc_errors", "header_errors", "short_reads", "foreign_blobs")

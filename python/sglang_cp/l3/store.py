@@ -115,13 +115,22 @@ class L3Store(PageStore):
         """Read, verify and wait. With a timeout it returns within it whatever the device does: a page
         not read in time is a miss. Reads land in the store's own memory and are copied into `outs`
         only once verified, so a read that completes late never touches `outs`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        op = self.reads.submit(payload, keys, outs, True, deadline)
-        if not op.done.wait(_left(deadline)):
-            self._timed_out(op, "read_timeouts")
-        op.cancel_and_quiesce()  # waits only for copies into `outs` under way (memory, never the disk)
-        self.state.raise_fatal()
-        return op.final()
+        t0 = time.perf_counter_ns()
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            op = self.reads.submit(payload, keys, outs, True, deadline)
+            if not op.done.wait(_left(deadline)):
+                self._timed_out(op, "read_timeouts")
+            op.cancel_and_quiesce()  # waits only for copies into `outs` under way (memory, never the disk)
+            self.state.raise_fatal()
+            return op.final()
+        finally:
+            # read_ns / read_calls: the wall time of the whole call (index lookup, reads, checks, copy-out),
+            # which a restore's time splits into against upstream's own work around it
+            spent = time.perf_counter_ns() - t0
+            with self.state.lock:
+                self.state.counters["read_calls"] += 1
+                self.state.counters["read_ns"] += spent
 
     def drain_acks(self, max_n: Optional[int] = None) -> list[Ack]:
         st = self.state
