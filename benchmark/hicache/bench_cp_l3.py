@@ -175,18 +175,25 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             # CPU samples only, at 199 Hz: on a host with few cores py-spy would otherwise take the cores
             # the read needs (docs_internal/bench_results.md, section 17)
             recording = pyspy_profile.Recorder(os.getpid(), f"{profile}-rank{rank}.txt", rate=199, idle=False)
+        counters = (lambda: r.backend.store.stats()["counters"]) if backend == "cp_l3" else (lambda: {})
         with recording:
             r.dist.barrier()
+            k0 = counters()
             c1 = cpu_s()
             t1 = time.perf_counter()
             hit, completed, hi2 = r.prefetch(tokens, timeout=600)
             t_read = time.perf_counter() - t1
             cpu_read = cpu_s() - c1
+            k1 = counters()
+        # the store's own share of the prefetch: wall time inside its page reads and its hit queries
+        store_read_s = (k1.get("read_ns", 0) - k0.get("read_ns", 0)) / 1e9
+        store_hitq_s = (k1.get("hit_query_ns", 0) - k0.get("hit_query_ns", 0)) / 1e9
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         zero_copy_pages = r.backend.store.stats()["counters"]["zero_copy_pages"] if backend == "cp_l3" else 0
         return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
                 "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
+                "store_read_s": store_read_s, "store_hitq_s": store_hitq_s,
                 "hit": hit, "completed": completed,
                 "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report}
     finally:
@@ -390,6 +397,13 @@ def summarize(name, results):
     out["per_rank"] = [{"rank": i, "write_gbps": med([b / t / 1e9 for b, t in rk(i, "t_write")]),
                         "read_gbps": med([b / t / 1e9 for b, t in rk(i, "t_read")])}
                        for i in range(len(results[0]))]
+    if any(r.get("store_read_s") for rep in results for r in rep):
+        # per rep, the slowest rank: its bytes over its time inside the store's reads, and the part of its
+        # prefetch spent outside the store's reads and hit queries (upstream's threads, the gloo MINs)
+        out["store_read_gbps_rank"] = med([min(r["owned_pages"] * r["page_bytes"] / r["store_read_s"] / 1e9
+                                               for r in rep if r["store_read_s"] > 0) for rep in results])
+        out["outside_store_s"] = med([max(r["t_read"] - r["store_read_s"] - r["store_hitq_s"] for r in rep)
+                                      for rep in results])
     reports = [r["phases"] for rep in results for r in rep if r.get("phases")]
     if reports:  # per phase: medians over every (rep, rank) of first start, last end, busy sum, count
         out["phases"] = {ph: {k: statistics.median(rp[ph][k] if ph in rp else 0.0 for rp in reports)
@@ -487,7 +501,9 @@ def _row_line(s: dict, summaries: list) -> str:
     vs = (f" ({w / raw['node_write_gbps'][0]:.2f}x / {r / raw['node_read_gbps'][0]:.2f}x raw)"
           if raw is not None and raw is not s else "")
     return (f"row done: {s['name']}, {s['pages']} pages: node write {w:.2f} GB/s, node read {r:.2f} GB/s{vs}; "
-            f"CPU s/GB {s['write_cpu_s_per_gb'][0]:.3f} / {s['read_cpu_s_per_gb'][0]:.3f}")
+            f"CPU s/GB {s['write_cpu_s_per_gb'][0]:.3f} / {s['read_cpu_s_per_gb'][0]:.3f}"
+            + (f"; inside the store's reads {s['store_read_gbps_rank'][0]:.2f} GB/s per rank, prefetch outside them "
+               f"{s['outside_store_s'][0] * 1e3:.1f} ms" if s.get("store_read_gbps_rank") else ""))
 
 
 def main():

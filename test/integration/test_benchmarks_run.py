@@ -83,6 +83,9 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     # each row is printed as it lands, against its raw row: a run cut by a bound keeps what it measured
     line = next(x for x in proc.stdout.splitlines() if x.startswith("row done: ours, CP=1, native reads, 16 pages:"))
     assert re.search(r"node read [0-9.]+ GB/s \([0-9.]+x / [0-9.]+x raw\)", line), line
+    # and splits the prefetch into the store's reads and the rest (upstream's threads and MINs)
+    assert re.search(r"inside the store's reads [0-9.]+ GB/s per rank, prefetch outside them -?[0-9.]+ ms", line), line
+    assert rows[1]["store_read_gbps_rank"][0] > 0 and "outside_store_s" in rows[1], rows[1]
     bad = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
          str(disk_tmp), "--backup-ack", "durable,soon"],
