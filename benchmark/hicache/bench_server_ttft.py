@@ -252,9 +252,12 @@ def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
     import pyspy_profile
 
     out = []
+    # The scheduler process alone: it holds the restore (upstream's storage threads, our backend, the
+    # forward), and py-spy's clock is finer the fewer threads it visits. Else the whole server.
+    sched = pyspy_profile.descendant_named(server.proc.pid, "sglang::scheduler")
     for L, p in prompts.items():
         path = os.path.join(out_dir, f"profile-{name}-{L}.json")
-        with pyspy_profile.Recorder(server.proc.pid, path, fmt="chrometrace"):
+        with pyspy_profile.Recorder(sched or server.proc.pid, path, fmt="chrometrace", subprocesses=sched is None):
             r = server.generate(p, 1)
         summary = pyspy_profile.summarize(path)
         window_ms = 1000 * r.latency_s + 50

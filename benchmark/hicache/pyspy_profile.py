@@ -57,19 +57,22 @@ class Recorder:
     """``with Recorder(pid, path):`` records the section inside the block (after an attach delay)."""
 
     def __init__(self, pid: int, path: str, rate: int = 997, attach_s: float = 1.0, stop_s: float = 60.0,
-                 idle: bool = True, fmt: str = "raw"):
+                 idle: bool = True, fmt: str = "raw", subprocesses: bool = True):
         # idle: sample waiting threads too (where each thread waits). py-spy's sampling takes about a core
         # at 1 kHz over a server's ~15 threads: on a host with few cores lower the rate, or it perturbs
         # what it measures (threads shown at a line they are only runnable at).
         self.pid, self.path, self.rate, self.attach_s, self.stop_s = pid, path, rate, attach_s, stop_s
         # fmt "chrometrace": every stack change with its time, for timeline() (when each thread entered
         # and left each function); "raw": collapsed stacks and counts. summarize() reads both.
-        self.idle, self.fmt = idle, fmt
+        # subprocesses=False: this process only. py-spy visits every thread of every process in turn, so
+        # the fewer it follows the finer its clock (a whole server's ~45 threads: one sample per 3-20 ms)
+        self.idle, self.fmt, self.subprocesses = idle, fmt, subprocesses
         self.proc = None
         self.log = path + ".log"
 
     def __enter__(self) -> "Recorder":
-        cmd = [pyspy_binary(), "record", "--pid", str(self.pid), "--subprocesses", "--threads",
+        cmd = [pyspy_binary(), "record", "--pid", str(self.pid), *(["--subprocesses"] if self.subprocesses else []),
+               "--threads",
                *(["--idle"] if self.idle else []),
                "--rate", str(self.rate), "--format", self.fmt, "--output", self.path, "--nonblocking"]
         self._log = open(self.log, "w")
@@ -88,6 +91,33 @@ class Recorder:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._log.close()
+
+
+def descendant_named(pid: int, marker: str) -> int | None:
+    """The first process below ``pid`` whose command line (or process title) holds ``marker``, e.g. a
+    server's ``sglang::scheduler``; None if there is none. Reads /proc only."""
+    children = collections.defaultdict(list)
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children[ppid].append(int(d))
+    todo = list(children.get(pid, []))
+    while todo:
+        c = todo.pop(0)
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            return c
+        todo += children.get(c, [])
+    return None
 
 
 def _records(f):

@@ -109,3 +109,27 @@ def test_a_chrometrace_gives_when_each_thread_was_inside_each_function(tmp_path)
         assert "no_such_function" in str(e)
     else:
         raise AssertionError("an anchor that matches nothing must be refused")
+
+
+def test_descendant_named_finds_a_grandchild_by_its_command_line():
+    # a parent whose child starts the marked grandchild (as launch_server's process starts the scheduler)
+    inner = "import time; time.sleep(60)"
+    middle = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {inner!r}, 'marked-grandchild']); "
+              "time.sleep(60)")
+    top = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                            f"{middle!r}]).wait()"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        found = None
+        while found is None and time.monotonic() < deadline:
+            found = pp.descendant_named(top.pid, "marked-grandchild")
+            time.sleep(0.1)
+        assert found is not None and found != top.pid
+        with open(f"/proc/{found}/cmdline", "rb") as f:
+            assert b"marked-grandchild" in f.read()
+        assert pp.descendant_named(top.pid, "no-such-marker-anywhere") is None
+    finally:
+        import signal
+
+        os.killpg(top.pid, signal.SIGKILL)  # the whole session: parent, child and grandchild
+        top.wait(timeout=30)
