@@ -141,8 +141,8 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
     try:
         # A small prompt of its own, backed up now and restored just before the timed read: each rank is a
         # fresh process, and its first prefetch would otherwise pay first-call costs a serving process has
-        # long paid (upstream's first host-pool allocation and hash, torch's first ops on its index tensors:
-        # 20-40 ms per rank measured on the dev VM). The timed read stays cold: its pages are other pages.
+        # long paid (upstream's first host-pool allocation and hash, torch's first ops on its index tensors).
+        # The timed read stays cold: its pages are other pages.
         warm_pages = 2 * world
         warm_tokens = tokens_for(warm_pages, seed=4242)
         whi = r.alloc_host(warm_pages * PAGE, start_owner=0)
@@ -403,13 +403,13 @@ def summarize(name, results):
     wgb = [b / t / 1e9 for b, t in zip(per_rank_bytes, w)]
     rgb = [b / t / 1e9 for b, t in zip(per_rank_bytes, rd)]
     node_bytes = [sum(r["owned_pages"] * r["page_bytes"] for r in rep) for rep in results]
+    drops = [r["dropped"] for rep in results for r in rep if r["dropped"] is not None]
     out = {"name": name, "write_s": med(w), "read_s": med(rd), "write_gbps_rank": med(wgb),
            "read_gbps_rank": med(rgb), "bytes_rank": per_rank_bytes[0], "world": len(results[0]),
            "node_write_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, w)]),
            "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
            # None: an O_DIRECT row (no page cache on its path); else whether every drop before it succeeded
-           "dropped": (lambda d: all(d) if d else None)([r["dropped"] for rep in results for r in rep
-                                                          if r["dropped"] is not None]),
+           "dropped": all(drops) if drops else None,
            # CPU seconds of every process of the node (ranks, or the raw process) per GB moved
            "read_cpu_s_per_gb": med([sum(r["cpu_read"] for r in rep) / (b / 1e9) for rep, b in zip(results, node_bytes)]),
            "write_cpu_s_per_gb": med([sum(r["cpu_write"] for r in rep) / (b / 1e9)

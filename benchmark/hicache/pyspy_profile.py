@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -183,8 +184,9 @@ def summarize(path: str, top: int = 8) -> dict:
     per_role = collections.defaultdict(collections.Counter)
     total = 0
     chrome = path.endswith(".json")
-    with open(path) as f:
-        for frames, n in (_chrome_records(path) if chrome else _records(f)):
+    with contextlib.ExitStack() as stack:
+        records = _chrome_records(path) if chrome else _records(stack.enter_context(open(path)))
+        for frames, n in records:
             total += n
             # a child's stacks begin with its parents' process frames: the last one is its own
             process = next((fr for fr in reversed(frames) if fr.startswith("process ")), "process ?")
