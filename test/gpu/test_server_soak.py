@@ -279,14 +279,20 @@ def _run_phase(k, cold, end, load_s, cfg, root, l2_flags, prompts, ref, schedule
     return rep, ph.retry_out
 
 
-def _soak(total_s: float, long: bool, l2_flags: list, root: str) -> list:
+def _soak(total_s: float, long: bool, l2_flags: list, root: str, request) -> list:
     cfg = write_l3_config(root, capacity_gb=L3_CAPACITY_GB)
     w, prompts, ref = _reference(root)
-    schedule, pending, reports = Schedule(w), [], []
-    for k, (cold, end, load_s) in enumerate(phase_plan(total_s, long, CYCLE_S)):
-        rep, pending = _run_phase(k, cold, end, load_s, cfg, root, l2_flags, prompts, ref, schedule, pending)
-        reports.append(rep)
-        _print_phase(rep)
+    schedule, pending, reports, lines = Schedule(w), [], [], []
+    try:
+        for k, (cold, end, load_s) in enumerate(phase_plan(total_s, long, CYCLE_S)):
+            rep, pending = _run_phase(k, cold, end, load_s, cfg, root, l2_flags, prompts, ref, schedule, pending)
+            reports.append(rep)
+            lines.append(_phase_line(rep))
+            print(lines[-1], flush=True)
+    finally:
+        # A report section survives what a print does not: pytest-xdist drops a worker's stdout under
+        # -s, and the phase figures are the run's result (pass or fail), shown by -rA.
+        request.node.add_report_section("call", "soak phases", "\n".join(lines) or "no phase completed")
     fsck = _l3_cli("fsck", "--cp-l3-config", cfg, "--json")
     out_dir = os.environ.get("SGLANG_CP_SOAK_OUT", root)
     with open(os.path.join(out_dir, f"soak-{os.getpid()}-{int(time.time())}.json"), "w") as f:
@@ -296,10 +302,10 @@ def _soak(total_s: float, long: bool, l2_flags: list, root: str) -> list:
     return reports
 
 
-def _print_phase(r: dict) -> None:
+def _phase_line(r: dict) -> str:
     c = r["counters"]
     ttft = lambda v: "-" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
-    print(f"soak phase {r['phase']}: start {r['startup_s']} s"
+    return (f"soak phase {r['phase']}: start {r['startup_s']} s"
           + (f", load live {r['load']['live']} dropped {r['load']['dropped']} in {r['load']['seconds']:.2f} s"
              if "load" in r else "")
           + (f", first storage hit {r['first_storage_hit_s']:.1f} s after spawn" if r["first_storage_hit_s"] else "")
@@ -311,7 +317,7 @@ def _print_phase(r: dict) -> None:
           + (f" (l3 stats {r['used_stats']})" if "used_stats" in r else "")
           + f"; TTFT p50 {ttft(r['ttft_p50_s'])} p99 {ttft(r['ttft_p99_s'])}; flushes {r['flushes_ok']} "
             f"(+{r['flushes_refused']} refused); scheduler RSS {r['rss_first_half'] / 1e6:.0f} -> "
-            f"{r['rss_second_half'] / 1e6:.0f} MB; LMDB file {r['lmdb_max'] / 1e6:.1f} MB", flush=True)
+            f"{r['rss_second_half'] / 1e6:.0f} MB; LMDB file {r['lmdb_max'] / 1e6:.1f} MB")
 
 
 def _violations(reports: list, pending: list, fsck) -> list:
@@ -366,9 +372,9 @@ def _l2(kind: str, request) -> list:
 
 @pytest.mark.parametrize("l2", ["pinned", pytest.param("hugepage", marks=pytest.mark.xdist_group("hugepages"))])
 def test_soak_short(l2, request, tmp_path_factory):
-    _soak(SOAK_S, False, _l2(l2, request), base_dir(tmp_path_factory, f"soak-{l2}"))
+    _soak(SOAK_S, False, _l2(l2, request), base_dir(tmp_path_factory, f"soak-{l2}"), request)
 
 
 @pytest.mark.slow
 def test_soak_long(request, tmp_path_factory):
-    _soak(LONG_S, True, [], base_dir(tmp_path_factory, "soak-long"))
+    _soak(LONG_S, True, [], base_dir(tmp_path_factory, "soak-long"), request)
