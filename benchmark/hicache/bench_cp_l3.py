@@ -85,6 +85,7 @@ class PhaseProbes:
                 finally:
                     ev.append((phase, t, time.perf_counter()))
             setattr(obj, attr, wrapper)
+        self._read_probes(r, timed)
         timed(r.backend, "_set", "backend_set")
         timed(store, "start_write_pages", "submit")          # index lookup + staging copy + hand-over
         timed(store.state.index, "get_many", "index_lookup")
@@ -113,8 +114,25 @@ class PhaseProbes:
         if not isinstance(index.env, TimedEnv):
             index.env = TimedEnv(index.env)
 
-    def report(self, t0, t_ack):
-        """Per phase: first start, last end (s after t0), busy sum and count."""
+    @staticmethod
+    def _read_probes(r, timed):
+        """The prefetch's steps, upstream's and ours: the page hashes (upstream hashes every page of the
+        request on every rank), our hit query, every gloo MIN (the hit count after the query, each batch's
+        completed count on the sync thread), the host-pool allocation, upstream's per-batch get into our
+        backend and, inside it, the store's reads."""
+        from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as hcc
+
+        timed(hcc, "get_storage_hash_str", "hash")  # a module function: _storage_hit_query looks it up there
+        timed(r.backend, "batch_exists_v2", "hit_query")
+        timed(r.backend, "batch_exists", "hit_query")
+        timed(r.cc, "_all_reduce", "gloo_min")
+        timed(r.cc, "allocate_storage_hit", "allocate")
+        timed(r.backend, "batch_get_v1", "batch_get")
+        timed(r.backend.store, "read_pages", "store_read")
+
+    def report(self, t0, t_ack, end="upstream_ack"):
+        """Per phase: first start, last end (s after t0), busy sum and count; ``end``: the step that closes
+        the timed operation (the backup's ack, or the prefetch's last ack), at ``t_ack``."""
         out = {}
         for phase, a, b in self.events:
             d = out.setdefault(phase, {"first": a - t0, "last": b - t0, "sum": 0.0, "n": 0})
@@ -122,7 +140,7 @@ class PhaseProbes:
             d["last"] = max(d["last"], b - t0)
             d["sum"] += b - a
             d["n"] += 1
-        out["upstream_ack"] = {"first": t_ack, "last": t_ack, "sum": 0.0, "n": 1}
+        out[end] = {"first": t_ack, "last": t_ack, "sum": 0.0, "n": 1}
         self.events.clear()
         return out
 
@@ -195,6 +213,8 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         if whi is not None:
             r.group.free(whi)
         counters = (lambda: r.backend.store.stats()["counters"]) if backend == "cp_l3" else (lambda: {})
+        if probes is not None:
+            probes.events.clear()
         with recording:
             r.dist.barrier()
             k0 = counters()
@@ -204,6 +224,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             t_read = time.perf_counter() - t1
             cpu_read = cpu_s() - c1
             k1 = counters()
+        read_phase_report = probes.report(t1, t_read, end="prefetch_done") if probes is not None else None
         # the store's own share of the prefetch: wall time inside its page reads and its hit queries
         store_read_s = (k1.get("read_ns", 0) - k0.get("read_ns", 0)) / 1e9
         store_hitq_s = (k1.get("hit_query_ns", 0) - k0.get("hit_query_ns", 0)) / 1e9
@@ -215,7 +236,8 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
                 "store_read_s": store_read_s, "store_hitq_s": store_hitq_s,
                 "hit": hit, "completed": completed,
-                "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report}
+                "checked": checked, "equal": equal, "dropped": dropped, "phases": phase_report,
+                "read_phases": read_phase_report}
     finally:
         r.close()
 
@@ -426,41 +448,51 @@ def summarize(name, results):
                                                for r in rep if r["store_read_s"] > 0) for rep in results])
         out["outside_store_s"] = med([max(r["t_read"] - r["store_read_s"] - r["store_hitq_s"] for r in rep)
                                       for rep in results])
-    reports = [r["phases"] for rep in results for r in rep if r.get("phases")]
-    if reports:  # per phase: medians over every (rep, rank) of first start, last end, busy sum, count
-        out["phases"] = {ph: {k: statistics.median(rp[ph][k] if ph in rp else 0.0 for rp in reports)
-                              for k in ("first", "last", "sum", "n")}
-                         for ph in dict.fromkeys(ph for rp in reports for ph in rp)}
+        # The node's prefetch ends with its last rank; the ranks' own "outside" above also holds their waits
+        # for slower peers (every batch ends in a MIN over all ranks). The node's own overhead: the node time
+        # less the longest time any rank spent inside the store.
+        out["outside_store_node_s"] = med([max(r["t_read"] for r in rep)
+                                           - max(r["store_read_s"] + r["store_hitq_s"] for r in rep)
+                                           for rep in results])
+    for key in ("phases", "read_phases"):
+        reports = [r[key] for rep in results for r in rep if r.get(key)]
+        if reports:  # per phase: medians over every (rep, rank) of first start, last end, busy sum, count
+            out[key] = {ph: {k: statistics.median(rp[ph][k] if ph in rp else 0.0 for rp in reports)
+                             for k in ("first", "last", "sum", "n")}
+                        for ph in dict.fromkeys(ph for rp in reports for ph in rp)}
     return out
 
 
 PHASE_ORDER = ("backend_set", "submit", "index_lookup", "crc_seal", "pwrite", "fdatasync", "lmdb_lock_wait",
                "index_commit", "upstream_ack")
+READ_PHASE_ORDER = ("hash", "hit_query", "gloo_min", "allocate", "batch_get", "store_read", "prefetch_done")
 
 
 def print_phases(console, summaries):
     from rich.table import Table
 
-    rows = [s for s in summaries if s.get("phases")]
-    if not rows:
-        return
-    t = Table(title="Where each rank's backup time goes (--phases): ms after the backup started; median over "
-                    "ranks and reps of first start / last end / busy sum (all threads) / calls")
-    t.add_column("config")
-    for ph in PHASE_ORDER:
-        t.add_column(ph, justify="right")
-    for s in rows:
-        cells = []
-        for ph in PHASE_ORDER:
-            d = s["phases"].get(ph)
-            if d is None:
-                cells.append("-")
-            elif ph == "upstream_ack":
-                cells.append(f"{d['last'] * 1e3:.0f}")
-            else:
-                cells.append(f"{d['first'] * 1e3:.0f}/{d['last'] * 1e3:.0f}/{d['sum'] * 1e3:.0f}/{d['n']:g}")
-        t.add_row(f"{s['name']}, {s['pages']} pages", *cells)
-    console.print(t)
+    for key, order, what, end in (("phases", PHASE_ORDER, "backup", "upstream_ack"),
+                                  ("read_phases", READ_PHASE_ORDER, "cold prefetch", "prefetch_done")):
+        rows = [s for s in summaries if s.get(key)]
+        if not rows:
+            continue
+        t = Table(title=f"Where each rank's {what} time goes (--phases): ms after the {what} started; median "
+                        "over ranks and reps of first start / last end / busy sum (all threads) / calls")
+        t.add_column("config")
+        for ph in order:
+            t.add_column(ph, justify="right")
+        for s in rows:
+            cells = []
+            for ph in order:
+                d = s[key].get(ph)
+                if d is None:
+                    cells.append("-")
+                elif ph == end:
+                    cells.append(f"{d['last'] * 1e3:.1f}")
+                else:
+                    cells.append(f"{d['first'] * 1e3:.1f}/{d['last'] * 1e3:.1f}/{d['sum'] * 1e3:.1f}/{d['n']:g}")
+            t.add_row(f"{s['name']}, {s['pages']} pages", *cells)
+        console.print(t)
 
 
 def check_disks(disks):
@@ -525,7 +557,9 @@ def _row_line(s: dict, summaries: list) -> str:
     return (f"row done: {s['name']}, {s['pages']} pages: node write {w:.2f} GB/s, node read {r:.2f} GB/s{vs}; "
             f"CPU s/GB {s['write_cpu_s_per_gb'][0]:.3f} / {s['read_cpu_s_per_gb'][0]:.3f}"
             + (f"; inside the store's reads {s['store_read_gbps_rank'][0]:.2f} GB/s per rank, prefetch outside them "
-               f"{s['outside_store_s'][0] * 1e3:.1f} ms" if s.get("store_read_gbps_rank") else ""))
+               f"{s['outside_store_s'][0] * 1e3:.1f} ms (the node: "
+               f"{s['outside_store_node_s'][0] * 1e3:.1f} ms past its longest store time)"
+               if s.get("store_read_gbps_rank") else ""))
 
 
 def main():
@@ -558,7 +592,8 @@ def main():
                    help="record each rank's cold read of our rows under py-spy into DIR and print rank 0's "
                         "time per thread role (a profile run: py-spy's sampling costs CPU; pip install py-spy)")
     p.add_argument("--phases", action="store_true",
-                   help="record per-phase timestamps of each rank's backup in our rows and print where the time goes")
+                   help="record per-phase timestamps of each rank's backup and cold prefetch in our rows and print "
+                        "where the time goes")
     args = p.parse_args()
     if args.profile:
         pyspy_profile.pyspy_binary()

@@ -58,6 +58,13 @@ def test_bench_cp_l3_smoke(disk_tmp):
     # --phases: the row of ours says when its pages were written and when upstream got its ack (under the
     # written ack the commit may land after the probes stop looking).
     assert rows[2]["phases"]["pwrite"]["n"] >= 1 and rows[2]["phases"]["upstream_ack"]["last"] > 0, rows[2]
+    # and where its cold prefetch went: upstream hashed the pages and asked our hit query, then the ranks
+    # agreed (a gloo MIN after the query, one per batch), and the store's reads ran inside upstream's gets
+    rp = rows[2]["read_phases"]
+    assert rp["hash"]["n"] >= 1 and rp["hit_query"]["n"] >= 1 and rp["gloo_min"]["n"] >= 2, rp
+    assert rp["batch_get"]["first"] <= rp["store_read"]["first"] <= rp["store_read"]["last"] <= rp["batch_get"]["last"], rp
+    assert rp["hit_query"]["last"] <= rp["batch_get"]["first"] and rp["prefetch_done"]["last"] >= rp["batch_get"]["last"], rp
+    assert "Where each rank's cold prefetch time goes" in proc.stdout
 
 
 def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tmp):
@@ -86,6 +93,9 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     # and splits the prefetch into the store's reads and the rest (upstream's threads and MINs)
     assert re.search(r"inside the store's reads [0-9.]+ GB/s per rank, prefetch outside them -?[0-9.]+ ms", line), line
     assert rows[1]["store_read_gbps_rank"][0] > 0 and "outside_store_s" in rows[1], rows[1]
+    # the node's own overhead past its longest store time is never more than the most any rank spent outside
+    assert re.search(r"\(the node: -?[0-9.]+ ms past its longest store time\)", line), line
+    assert rows[1]["outside_store_node_s"][0] <= rows[1]["outside_store_s"][0] + 1e-9, rows[1]
     bad = subprocess.run(
         [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
          str(disk_tmp), "--backup-ack", "durable,soon"],
