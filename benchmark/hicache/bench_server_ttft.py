@@ -17,7 +17,11 @@ TTFT is the latency of a ``/generate`` with ``max_new_tokens=1``. Each request's
 ``cached_tokens_details`` says where its cache came from; a row counts only requests that
 came from the path it names. The restore rate is the bytes read from L3 for a request
 divided by its restore time (L3-restore TTFT minus the compute floor of the same prompt),
-also shown against the raw disk read speed of the same run.
+also shown against the raw disk read speed of the same run. Each restore is split twice: the store's
+own share (its counters around the request: time inside its reads and hit queries) and upstream's
+per-request time stages (``meta_info`` under ``--enable-metrics``: arrival -> forward start, of it the
+prefetch wait, the forward with its host pool -> GPU load, the rest), printed as a second table beside
+the device hit's stages of the same prompt.
 
     python benchmark/hicache/bench_server_ttft.py run --model glm5:8192,32768 \\
         --model small:8192,32768,131072 --work-dir /path/on/nvme --out-dir out/ttft
@@ -172,7 +176,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
 
     def rec(r, L):
         return {"tokens": L, "ttft_s": r.latency_s, "first_token": (r.output_ids or [None])[0],
-                "device": r.device_tokens, "host": r.host_tokens, "storage": r.storage_tokens}
+                "device": r.device_tokens, "host": r.host_tokens, "storage": r.storage_tokens,
+                **request_stages(r)}
 
     rows = {"recompute": [], "l2": [], "l3": [], "device": []}
     a = ServerProcess(model, flags("clear"), log_path=os.path.join(args.out_dir, f"{name}-A.log"), **common)
@@ -224,7 +229,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 d = b.generate(p, 1)
                 rows["device"].append(rec(d, L))
                 log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
-                    f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s"
+                    f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s; stages {stage_line(row)}"
                     + ("" if r.storage_tokens else "  NOT SERVED FROM L3 (left out of the table; see metrics_B)"))
         if extra:
             try:
@@ -271,6 +276,33 @@ def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
         out.append({"tokens": L, "ttft_s": r.latency_s, "cached": r.cached_details, "path": path,
                     "summary": summary, "timeline": tl})
     return out
+
+
+def request_stages(r) -> dict:
+    """Where one request's time went, from upstream's own per-request time stats (meta_info under
+    --enable-metrics, wall clock): from its arrival at the server (``request_received_ts``, else the
+    client's send) to the forward's start (tokenizing, the hit query, the prefetch, its completion
+    hand-offs and radix insert, scheduling), of that the wait for the prefetch (upstream polls it once per
+    scheduler pass), the forward (for a restore, with the layer-by-layer host pool -> GPU load it waits
+    on), and what follows until the client has the answer. Empty where the server did not report them."""
+    m = r.meta_info or {}
+    start = m.get("request_received_ts") or r.sent_at
+    entry, done = m.get("forward_entry_time"), m.get("prefill_finished_time")
+    if not (start and entry and done):
+        return {}
+    return {"to_forward_s": entry - start, "prefetch_wait_s": m.get("storage_prefetch_wait"),
+            "forward_s": done - entry,
+            "after_forward_s": (r.latency_s - (done - r.sent_at)) if r.sent_at else None}
+
+
+def stage_line(row: dict) -> str:
+    """One restore's stages and store time, in ms, for the run's log."""
+    ms = lambda k: "-" if row.get(k) is None else f"{row[k] * 1e3:.1f}"  # noqa: E731
+    return (f"to forward {ms('to_forward_s')} (prefetch wait {ms('prefetch_wait_s')}, store reads {ms('read_s')}), "
+            f"forward {ms('forward_s')}, after {ms('after_forward_s')} ms")
+
+
+STAGES = ("to_forward_s", "prefetch_wait_s", "forward_s", "after_forward_s")
 
 
 # Per restore, the store's own share of it (counter deltas around the request): the bytes, the wall time
@@ -322,6 +354,9 @@ def summarize(res: dict) -> list:
             "read_s": med([r["read_s"] for r, _f in served]),
             "hit_query_s": med([r.get("hitq_s", 0.0) for r, _f in served]),
             "outside_store_s": med(outside),
+            # upstream's per-request stages of the restores and of the device hits that follow them
+            "stages": {path: {k: med([r[k] for r in rows if r.get(k) is not None]) for k in STAGES}
+                       for path, rows in (("l3", [r for r, _f in served]), ("device", [f for _r, f in served]))},
             "speedup_l3_vs_recompute": (statistics.median([r["ttft_s"] for r in rec])
                                         / statistics.median([r["ttft_s"] for r in l3])) if rec and l3 else None,
             "same_first_token": all(same) if same else None,
@@ -333,6 +368,25 @@ def fmt(m, unit=""):
     if not m:
         return "-"
     return f"{m['median']:.3f}{unit} ({m['min']:.3f}-{m['max']:.3f})"
+
+
+def stages_table(rows: list) -> str:
+    """The restore against the device hit of the same prompt, stage by stage (upstream's time stats), with
+    the store's time inside its reads: what a restore adds is in the 'to forward' and 'forward' columns."""
+    have = [r for r in rows if any(m for m in (r.get("stages") or {}).get("l3", {}).values())]
+    if not have:
+        return ""
+    head = ["model", "tokens", "path", "send -> forward s", "of it: prefetch wait s", "of that: store reads s",
+            "forward s", "after the forward s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in have:
+        for path, label in (("l3", "L3 restore"), ("device", "device hit")):
+            st = r["stages"][path]
+            lines.append("| " + " | ".join([
+                r["model"], f"{r['tokens']:,}", label, fmt(st["to_forward_s"]), fmt(st["prefetch_wait_s"]),
+                fmt(r.get("read_s")) if path == "l3" else "-", fmt(st["forward_s"]), fmt(st["after_forward_s"])])
+                + " |")
+    return "\n".join(lines)
 
 
 def render(results: list, out_dir: str) -> None:
@@ -353,6 +407,9 @@ def render(results: list, out_dir: str) -> None:
             fmt(r.get("outside_store_s")),
             {True: "yes", False: "NO", None: "-"}[r["same_first_token"]]]) + " |")
     table = "\n".join(lines)
+    stages = stages_table(rows)
+    if stages:
+        table += "\n\n" + stages
     print(table, flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "ttft.json"), "w") as f:

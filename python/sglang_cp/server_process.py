@@ -104,6 +104,8 @@ class GenResult:
     meta_info: dict
     latency_s: float
     ttft_s: Optional[float] = None  # streaming requests only
+    sent_at: Optional[float] = None  # wall clock (time.time()) when the request was sent: upstream's
+    # per-request time stats (meta_info's forward_entry_time, prefill_finished_time) are wall clock too
 
     @property
     def cached_details(self) -> dict:
@@ -264,13 +266,14 @@ class ServerProcess:
         """Greedy ``/generate``; ``extra`` adds request fields (e.g. PD bootstrap fields)."""
         body = {"input_ids": list(input_ids),
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **(extra or {})}
-        t = time.perf_counter()
+        sent_at, t = time.time(), time.perf_counter()
         status, raw = self._post("/generate", body, timeout_s)
         dt = time.perf_counter() - t
         if status != 200:
             raise RuntimeError(f"/generate -> HTTP {status}: {raw[:2000]!r}")
         j = json.loads(raw)
-        return GenResult(output_ids=j.get("output_ids"), meta_info=j.get("meta_info", {}), latency_s=dt)
+        return GenResult(output_ids=j.get("output_ids"), meta_info=j.get("meta_info", {}), latency_s=dt,
+                         sent_at=sent_at)
 
     def generate_stream(self, input_ids: list, max_new_tokens: int = 8, timeout_s: float = 600.0) -> GenResult:
         """Greedy streaming ``/generate``: the result's ``ttft_s`` is the time to the first chunk. A stream

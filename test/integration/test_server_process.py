@@ -142,3 +142,13 @@ def test_a_stream_with_done_is_the_answer():
     srv = ServerProcess(MODEL, port=_one_stream(CHUNK + done, chunked=False))
     res = srv.generate_stream([1, 2, 3], max_new_tokens=2, timeout_s=10)
     assert res.output_ids == [1567, 1567] and res.ttft_s is not None
+
+
+def test_generate_stamps_its_send_time_in_the_clock_of_upstreams_time_stats():
+    # upstream's meta_info times (forward_entry_time, prefill_finished_time) are wall clock; so is sent_at
+    body = b'{"output_ids": [5], "meta_info": {"forward_entry_time": 1.0}}'
+    srv = ServerProcess(MODEL, port=_one_stream(body, chunked=False))
+    before = time.time()
+    res = srv.generate([1, 2, 3], max_new_tokens=1, timeout_s=10)
+    assert before <= res.sent_at <= time.time() and res.output_ids == [5]
+    assert res.meta_info["forward_entry_time"] == 1.0

@@ -60,3 +60,32 @@ def test_dsa_models_count_the_indexer_row_and_get_dsa_flags():
     flags, env = bench.dsa_server(args)
     assert flags == ["--dsa-prefill-backend", "fa3", "--dsa-decode-backend", "fa3"]
     assert env.get("SGLANG_FP8_PAGED_MQA_LOGITS_TORCH") == "1"  # no DeepGEMM on a CPU box
+
+
+def test_restore_stages_from_upstreams_time_stats():
+    """Upstream's per-request time stats (meta_info under --enable-metrics, wall clock) split a request:
+    arrival -> forward start (of it the prefetch wait), the forward, the rest; the summary sets the
+    restore's stages beside the device hit's, and the report prints them under the main table."""
+    from sglang_cp.server_process import GenResult
+
+    meta = {"request_received_ts": 100.010, "forward_entry_time": 100.090, "prefill_finished_time": 100.200,
+            "storage_prefetch_wait": 0.055, "queue_time": 0.07}
+    st = bench.request_stages(GenResult(output_ids=[7], meta_info=meta, latency_s=0.230, sent_at=100.000))
+    assert abs(st["to_forward_s"] - 0.080) < 1e-9 and abs(st["forward_s"] - 0.110) < 1e-9
+    assert st["prefetch_wait_s"] == 0.055 and abs(st["after_forward_s"] - 0.030) < 1e-9
+    # no time stats (a server without --enable-metrics): no stages, and no table
+    assert bench.request_stages(GenResult(output_ids=[7], meta_info={}, latency_s=0.2, sent_at=1.0)) == {}
+    run = _run()
+    assert bench.stages_table(bench.summarize(run)) == ""
+    for r in run["rows"]["l3"]:
+        r.update(to_forward_s=0.12, prefetch_wait_s=0.09, forward_s=0.09, after_forward_s=0.01)
+    for r in run["rows"]["device"]:
+        r.update(to_forward_s=0.01, prefetch_wait_s=None, forward_s=0.05, after_forward_s=0.01)
+    (row,) = bench.summarize(run)
+    assert row["stages"]["l3"]["to_forward_s"]["median"] == 0.12 and row["stages"]["device"]["prefetch_wait_s"] is None
+    table = bench.stages_table([row])
+    assert "| m | 8,192 | L3 restore | 0.120 (0.120-0.120) | 0.090 (0.090-0.090) | 0.100 (0.100-0.100) |" in table
+    assert "| m | 8,192 | device hit | 0.010 (0.010-0.010) | - | - | 0.050 (0.050-0.050) |" in table
+    # and the run's log line per restore
+    assert bench.stage_line(run["rows"]["l3"][0]) == ("to forward 120.0 (prefetch wait 90.0, store reads 100.0), "
+                                                      "forward 90.0, after 10.0 ms")
