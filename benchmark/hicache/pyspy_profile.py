@@ -97,26 +97,19 @@ class Recorder:
 def descendant_named(pid: int, marker: str) -> int | None:
     """The first process below ``pid`` whose command line (or process title) holds ``marker``, e.g. a
     server's ``sglang::scheduler``; None if there is none. Reads /proc only."""
+    from sglang_cp.server_process import proc_cmdline, proc_stats
+
     children = collections.defaultdict(list)
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children[ppid].append(int(d))
+    for p, fields in proc_stats():
+        children[int(fields[1])].append(p)
     todo = list(children.get(pid, []))
     while todo:
         c = todo.pop(0)
         try:
-            with open(f"/proc/{c}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            if marker in proc_cmdline(c):
+                return c
         except OSError:
             continue
-        if marker in cmd:
-            return c
         todo += children.get(c, [])
     return None
 

@@ -76,20 +76,29 @@ def _die_with_parent() -> None:
         pass  # not Linux: stop()/kill() still bound every wait
 
 
+def proc_stats():
+    """(pid, fields) of every process in /proc, ``fields`` being /proc/PID/stat after the command name
+    (``fields[0]`` state, ``[1]`` ppid, ``[2]`` pgid); processes gone meanwhile are skipped."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                yield int(name), f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+
+
+def proc_cmdline(pid: int) -> str:
+    """The command line (or process title) of ``pid``, arguments joined by spaces; OSError if gone."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 def group_alive(pgid: int) -> bool:
     """Any process of the group that is not a zombie (a zombie counts for killpg(pgid, 0)
     until its new parent reaps it, which can take long on some init processes)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(int(fields[2]) == pgid and fields[0] != "Z" for _pid, fields in proc_stats())
 
 
 def free_port() -> int:

@@ -147,23 +147,20 @@ def percentile(xs: list, p: float) -> Optional[float]:
 
 def group_processes(pgid: int) -> list:
     """[(pid, cmdline, rss bytes)] of the live processes of process group ``pgid`` (from /proc)."""
+    from sglang_cp.server_process import proc_cmdline, proc_stats
+
     out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
+    for pid, fields in proc_stats():
+        if int(fields[2]) != pgid:
             continue
         try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            if int(fields[2]) != pgid:
-                continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            cmd = proc_cmdline(pid)
             rss = 0
-            with open(f"/proc/{name}/status") as f:
+            with open(f"/proc/{pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
                         rss = int(line.split()[1]) * 1024
-            out.append((int(name), cmd, rss))
+            out.append((pid, cmd, rss))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
     return out
