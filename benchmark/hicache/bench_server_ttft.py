@@ -327,14 +327,12 @@ def summarize(res: dict) -> list:
         l2 = pick("l2", lambda r: r["host"] >= 0.9 * cached)
         l3 = pick("l3", lambda r: r["storage"] >= 0.9 * cached)
         floors = [r for r in res["rows"]["device"] if r["tokens"] == L]
-        rates = []
-        for r, f in zip([r for r in res["rows"]["l3"] if r["tokens"] == L], floors):
-            if r["storage"] >= 0.9 * cached and r["reload_bytes"] > 0:
-                t = max(1e-6, r["ttft_s"] - f["ttft_s"])
-                rates.append(r["reload_bytes"] / t / GB)
+        # each restore served from L3 with the device hit of the same prompt that followed it
+        restored = [(r, f) for r, f in zip(pick("l3", lambda r: True), floors) if r["storage"] >= 0.9 * cached]
+        rates = [r["reload_bytes"] / max(1e-6, r["ttft_s"] - f["ttft_s"]) / GB
+                 for r, f in restored if r["reload_bytes"] > 0]
         # the store's own rate, and the restore's time outside the store (beyond a device hit)
-        served = [(r, f) for r, f in zip([r for r in res["rows"]["l3"] if r["tokens"] == L], floors)
-                  if r["storage"] >= 0.9 * cached and r.get("read_s", 0) > 0]
+        served = [(r, f) for r, f in restored if r.get("read_s", 0) > 0]
         store_rates = [r["reload_bytes"] / r["read_s"] / GB for r, _f in served]
         outside = [(r["ttft_s"] - f["ttft_s"]) - r["read_s"] - r.get("hitq_s", 0.0) for r, f in served]
         same = [a["first_token"] == b["first_token"]
