@@ -17,7 +17,8 @@ from sglang_cp.l2.errors import InsufficientHugepagesError
 from sglang_cp.l2.page_copy import copy_pages, plan_copies
 from sglang_cp.l2.registration import register_mapping, unregister_mapping
 
-pytestmark = pytest.mark.gpu
+# vm.nr_hugepages is host-wide: under pytest-xdist every test that changes it shares one worker.
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("hugepages")]
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 

@@ -104,3 +104,19 @@ def test_start_slots_admit_n_per_gpu_and_the_wait_is_bounded(tmp_path):
                 pass
     with slots.start_slot(env0, wait_s=1, **kw) as again:  # released on exit
         assert again == 0
+
+
+def test_every_gpu_test_that_changes_hugepages_shares_one_xdist_group():
+    """vm.nr_hugepages is host-wide: two workers raising and restoring it at once would shrink each
+    other's reservation. Every GPU module that reserves hugepages (writes nr_hugepages or takes the
+    ``hugetlbfs`` fixture) must put those tests in the one ``hugepages`` group, which xdist's
+    ``--dist loadgroup`` runs on one worker."""
+    offenders = []
+    for name in sorted(os.listdir(_GPU)):
+        if not (name.startswith("test_") and name.endswith(".py")):
+            continue
+        with open(os.path.join(_GPU, name)) as f:
+            src = f.read()
+        if ("nr_hugepages" in src or "hugetlbfs" in src) and 'xdist_group("hugepages")' not in src:
+            offenders.append(name)
+    assert offenders == [], f"reserve hugepages outside the 'hugepages' xdist group: {offenders}"
