@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 
 from sglang_cp.demo_config import write_demo_config  # noqa: E402
 from sglang_cp.server_process import ServerProcess  # noqa: E402
-from start_slots import start_slot  # noqa: E402
+from start_slots import ledgered_start  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
@@ -130,12 +130,14 @@ def pages_of(n_tokens: int) -> int:
 
 
 class TestServer(ServerProcess):
-    """ServerProcess whose start waits for a start slot of its GPU (``start_slots.start_slot``)."""
+    """ServerProcess whose start waits for a start slot of its GPU (``start_slots.start_slot``) and goes
+    into the run's start ledger (``start_slots.ledgered_start``)."""
 
     __test__ = False  # not a pytest class
 
     def start(self) -> "TestServer":
-        with start_slot(self.env or os.environ):
+        tag = os.path.splitext(os.path.basename(self.log_path))[0]
+        with ledgered_start(self.env or os.environ, tag):
             super().start()
         return self
 

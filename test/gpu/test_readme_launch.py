@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-from server_support import MODELS, base_dir
-from sglang_cp.server_process import ServerProcess
+from server_support import MODELS, TestServer, base_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = open(os.path.join(REPO, "README.md")).read()
@@ -57,7 +56,7 @@ def readme_l3_config(root: str) -> str:
     return path
 
 
-class ReadmeServer(ServerProcess):
+class ReadmeServer(TestServer):  # a start slot and the start ledger like every test server
     def __init__(self, argv: list, **kw):
         super().__init__(MODELS["mla"], **kw)
         self.argv = argv

@@ -120,3 +120,37 @@ def test_every_gpu_test_that_changes_hugepages_shares_one_xdist_group():
         if ("nr_hugepages" in src or "hugetlbfs" in src) and 'xdist_group("hugepages")' not in src:
             offenders.append(name)
     assert offenders == [], f"reserve hugepages outside the 'hugepages' xdist group: {offenders}"
+
+
+def test_start_ledger_records_each_start_its_slot_wait_and_failures(tmp_path):
+    """Two starts on one slot: the second waits for the first; a failed start is recorded and re-raised;
+    the table counts both and names the slowest."""
+    import threading
+
+    ledger, env = str(tmp_path / "starts.jsonl"), {"CUDA_VISIBLE_DEVICES": "0"}
+    kw = dict(path=ledger, slots=1, wait_s=30, lock_dir=str(tmp_path / "locks"))
+    holding = threading.Event()
+
+    def first():
+        with slots.ledgered_start(env, "first", **kw):
+            holding.set()
+            time.sleep(0.6)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert holding.wait(10)
+    with pytest.raises(RuntimeError, match="boom"):
+        with slots.ledgered_start(env, "second", **kw):
+            raise RuntimeError("boom")
+    t.join(10)
+    assert oct(os.stat(ledger).st_mode & 0o777) == "0o600"
+    starts = slots.read_starts(ledger)
+    assert [(e["tag"], e["ok"]) for e in starts] == [("first", True), ("second", False)]
+    assert starts[0]["start_s"] >= 0.5 and starts[0]["wait_s"] < 0.5
+    assert starts[1]["wait_s"] >= 0.3  # queued behind "first" on the one slot
+    table = slots.start_table(starts)
+    row = table.splitlines()[2].split()
+    assert row[:3] == ["0", "2", "1"], table  # gpu, starts, failed
+    assert "[second]" in table and "FAILED" in table
+    assert slots.start_table([]) == "" and slots.read_starts(str(tmp_path / "none.jsonl")) == []
+    slots.record_start({"x": 1}, path="")  # no ledger: nothing written, no error
