@@ -14,6 +14,7 @@ Workload (token ids; the models ship no tokenizer), built for the KV-sensitive w
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -172,3 +173,23 @@ def scheduler_rss(pgid: int) -> int:
     procs = group_processes(pgid)
     sched = [rss for _pid, cmd, rss in procs if "sglang::scheduler" in cmd]
     return max(sched or [rss for _pid, _cmd, rss in procs] or [0])
+
+
+def fsck_summary(stdout: str, rc: int, head: int = 10) -> dict:
+    """What a soak keeps of ``sglang-cp l3 fsck --json``: its exit code, its totals and counts per finding
+    kind, and the first ``head`` findings (a stopped soak directory holds hundreds of inert orphans, and a
+    tail of the text would cut the totals off). Output that is not fsck's JSON is kept as its tail."""
+    try:
+        rep = json.loads(stdout)
+        findings = rep.pop("findings")
+    except (ValueError, KeyError, AttributeError):
+        return {"rc": rc, "unparsed_tail": stdout[-2000:]}
+    return {"rc": rc, **rep, "findings_head": findings[:head], "findings_total": len(findings)}
+
+
+def fsck_line(summary: dict) -> str:
+    if "unparsed_tail" in summary:
+        return f"fsck rc {summary['rc']}: output not JSON"
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(summary.get("counts", {}).items())) or "no finding"
+    return (f"fsck rc {summary['rc']}: {summary.get('slabs')} slab files, {summary.get('entries')} index entries, "
+            f"{summary.get('live')} live; {counts}")

@@ -43,7 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from server_support import METRIC, base_dir, kv_env, server, write_l3_config
-from soak_support import Schedule, build, chat_turns, expected_answer, percentile, phase_plan, scheduler_rss
+from soak_support import (Schedule, build, chat_turns, expected_answer, fsck_line, fsck_summary, percentile, phase_plan,
+                          scheduler_rss)
 
 pytestmark = pytest.mark.gpu
 SOAK_S = float(os.environ.get("SGLANG_CP_SOAK_S", "120"))
@@ -294,10 +295,11 @@ def _soak(total_s: float, long: bool, l2_flags: list, root: str, request) -> lis
         # -s, and the phase figures are the run's result (pass or fail), shown by -rA.
         request.node.add_report_section("call", "soak phases", "\n".join(lines) or "no phase completed")
     fsck = _l3_cli("fsck", "--cp-l3-config", cfg, "--json")
+    summary = fsck_summary(fsck.stdout, fsck.returncode)
+    request.node.add_report_section("call", "soak fsck", fsck_line(summary))
     out_dir = os.environ.get("SGLANG_CP_SOAK_OUT", root)
     with open(os.path.join(out_dir, f"soak-{os.getpid()}-{int(time.time())}.json"), "w") as f:
-        json.dump({"phases": reports, "fsck_rc": fsck.returncode, "fsck": fsck.stdout[-4000:]}, f, indent=1,
-                  default=str)
+        json.dump({"phases": reports, "fsck": summary}, f, indent=1, default=str)
     _check(reports, pending, fsck)
     return reports
 

@@ -154,3 +154,25 @@ def test_start_ledger_records_each_start_its_slot_wait_and_failures(tmp_path):
     assert "[second]" in table and "FAILED" in table
     assert slots.start_table([]) == "" and slots.read_starts(str(tmp_path / "none.jsonl")) == []
     slots.record_start({"x": 1}, path="")  # no ledger: nothing written, no error
+
+
+def test_fsck_summary_keeps_totals_and_counts_not_a_tail(tmp_path):
+    """The soak keeps fsck's totals and counts per kind, and a head of the findings: the old tail of the
+    text cut the totals off behind hundreds of inert orphans (the first H200 pass's JSON)."""
+    import json
+
+    from sglang_cp.demo_config import write_demo_config
+
+    cfg = write_demo_config(str(tmp_path / "l3"), capacity_gb=0.1)
+    real = subprocess.run([sys.executable, "-m", "sglang_cp.cli", "l3", "fsck", "--cp-l3-config", cfg, "--json"],
+                          capture_output=True, text=True, timeout=120)
+    s = soak.fsck_summary(real.stdout, real.returncode)
+    assert (s["rc"], s["findings_total"], s["counts"], s["live"]) == (0, 0, {}, 0), real.stderr[-2000:]
+    assert soak.fsck_line(s).endswith("0 live; no finding")
+
+    orphans = [{"kind": "orphan", "slab": "r0.kv.slab", "slot": i, "rank": 0, "detail": "inert"} for i in range(300)]
+    text = json.dumps({"entries": 288, "live": 288, "slabs": 1, "counts": {"orphan": 300}, "findings": orphans})
+    s = soak.fsck_summary(text, 0)
+    assert (s["findings_total"], len(s["findings_head"]), s["entries"]) == (300, 10, 288)
+    assert soak.fsck_line(s) == "fsck rc 0: 1 slab files, 288 index entries, 288 live; 300 orphan"
+    assert soak.fsck_summary("Traceback: boom", 2) == {"rc": 2, "unparsed_tail": "Traceback: boom"}
