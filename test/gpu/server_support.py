@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 from sglang_cp.demo_config import write_demo_config  # noqa: E402
 from sglang_cp.server_process import ServerProcess  # noqa: E402
+from slab_damage import flip_payload_bytes  # noqa: E402,F401  (the damage tests' one way to hurt a slab)
 from start_slots import ledgered_start  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

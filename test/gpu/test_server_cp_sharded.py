@@ -9,8 +9,10 @@ sends each request to both with the same bootstrap room (what the PD router does
 
 It checks that each CP rank's L3 holds only its own stripe (per-rank slot counts), that a
 prefill restart with cold start ``load`` serves the prefix from storage with identical
-output ids, and that the placement assert never fires. Skips without two GPUs, nixl or
-sgl_kernel's fa3 ops.
+output ids, and that the placement assert never fires; and that when one rank's slab is damaged
+between runs, that rank's pages are misses on both ranks (upstream's MIN agreement over the CP
+group), the prefix is recomputed with the same ids, and only that rank counts CRC errors. Skips
+without two GPUs, nixl or sgl_kernel's fa3 ops.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import threading
 import time
 
 import pytest
-from server_support import MODELS, base_dir, l3_flags, pages_of, prompt, write_l3_config
+from server_support import MODELS, base_dir, flip_payload_bytes, l3_flags, pages_of, prompt, slab_files, write_l3_config
 
 from sglang_cp.server_process import ServerProcess, free_port
 
@@ -124,6 +126,46 @@ def test_cp2_sharded_prefill_persists_each_ranks_stripe_and_reloads(model, tmp_p
         assert d2.output_ids == d1.output_ids
         print("per-rank L3 pages reloaded after the restart:", json.dumps(reload))
         assert set(reload) == {"0", "1"} and sum(reload.values()) == pages, reload
+        assert "placement" not in log.lower() or "mismatch" not in log.lower(), "placement assert fired"
+    finally:
+        decode.stop()
+
+
+def test_cp2_one_ranks_damaged_slab_is_a_miss_on_both_ranks(tmp_path_factory):
+    """Every page CP rank 1 stored is damaged between runs, rank 0's are intact. After ``load`` rank 1's
+    reads fail their CRC, and since upstream agrees on the prefix by a MIN over the CP group, rank 0's
+    intact pages are not served past it either: at most the first page (rank 0's stripe starts the
+    prefix) comes from storage, the rest is recomputed, and the output ids are the first run's."""
+    model = "mla"
+    root = base_dir(tmp_path_factory, "cp2-damage")
+    cfg = write_l3_config(root)
+    bport = free_port()
+    P, pages = prompt(N, 22), N // 64
+    decode = _decode(model, root).start()
+    try:
+        with _prefill(model, cfg, "clear", root, "prefill-write", bport) as pf:
+            _, d1 = pd_generate(pf, decode, bport, P)
+            per = _per_rank_slots(pf, pages)
+        assert set(per) == {"0", "1"} and sum(per.values()) == pages, per
+        damaged = flip_payload_bytes(slab_files(root), select=lambda name: name.startswith("r1."))
+        assert damaged == per["1"], (damaged, per, slab_files(root))
+
+        with _prefill(model, cfg, "load", root, "prefill-damaged", bport) as pf:
+            p2, d2 = pd_generate(pf, decode, bport, P)
+            crc = {}
+            deadline = time.monotonic() + 30
+            while crc.get("1", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.5)
+                crc = pf.metric_by_label("sglang:cp_l3_crc_errors_total", "cp_rank")
+            time.sleep(1.5)  # one more publish: rank 0's count is final too
+            crc = pf.metric_by_label("sglang:cp_l3_crc_errors_total", "cp_rank")
+            p3, d3 = pd_generate(pf, decode, bport, P)  # recomputed and cached again: the server keeps serving
+            log = pf.log_text()
+        storage = max(p2.storage_tokens, d2.storage_tokens)
+        print(f"CP=2 damage: {damaged} rank-1 pages flipped, storage tokens {storage}, crc by rank {crc}")
+        assert storage <= 64, (p2.meta_info, d2.meta_info)
+        assert crc.get("1", 0) >= 1 and crc.get("0", 0) == 0, crc
+        assert d2.output_ids == d1.output_ids and d3.output_ids == d1.output_ids
         assert "placement" not in log.lower() or "mismatch" not in log.lower(), "placement assert fired"
     finally:
         decode.stop()

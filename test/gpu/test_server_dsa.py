@@ -25,10 +25,8 @@ import sys
 import time
 
 import pytest
-from server_support import (METRIC, base_dir, dsa_args, dsa_env, l3_flags, pages_of, payload_metric, server,
-                            slab_files, write_l3_config)
-
-from sglang_cp.l3.blob import MAGIC
+from server_support import (METRIC, base_dir, dsa_args, dsa_env, flip_payload_bytes, l3_flags, pages_of,
+                            payload_metric, server, slab_files, write_l3_config)
 
 pytestmark = pytest.mark.gpu
 N = 4096            # > index_topk (2048): prefill runs the sparse path (indexer logits + top-k)
@@ -141,26 +139,6 @@ def test_dsa_l3_flush_and_cold_starts(mtp, tmp_path_factory):
           f"verify {verify_ct(fourth)}, accept length {ref.meta_info.get('spec_accept_length')}")
 
 
-def _damage_payload(slab_paths, payload: str) -> int:
-    """Flip one payload byte of every page stored in ``payload``'s slabs (r<rank>.<payload>.s<B>.slab)."""
-    damaged = 0
-    for path in slab_paths:
-        if f".{payload}.s" not in os.path.basename(path):
-            continue
-        with open(path, "r+b") as f:
-            data = f.read()
-            pos = data.find(MAGIC)
-            while pos != -1:
-                f.seek(pos - 77)
-                b = f.read(1)
-                f.seek(pos - 77)
-                f.write(bytes([b[0] ^ 0x5A]))
-                damaged += 1
-                pos = data.find(MAGIC, pos + 64)
-        os.sync()
-    return damaged
-
-
 def test_dsa_indexer_damage_is_recomputed_never_served_from_kv_alone(tmp_path_factory):
     """Every indexer-K blob is damaged and every target-KV blob is intact: no page may be served (a
     KV page without its indexer page would decode with a stale index cache), the prompt is recomputed
@@ -175,7 +153,7 @@ def test_dsa_indexer_damage_is_recomputed_never_served_from_kv_alone(tmp_path_fa
         ref = s.generate(P, NEW)
         other = s.generate(Q, NEW)
         assert _settled_by_payload(s, "spill_pages_total", pages)
-    damaged = _damage_payload(slab_files(root), "indexer")
+    damaged = flip_payload_bytes(slab_files(root), select=lambda name: ".indexer.s" in name)
     assert damaged >= pages, f"expected to damage every indexer page in {slab_files(root)}"
 
     with server("dsa", args + l3_flags(cfg, "load"), root, "damaged", env=env) as s:

@@ -14,9 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from server_support import METRIC, l3_flags, pages_of, prompt, server, slab_files, write_l3_config, base_dir
-
-from sglang_cp.l3.blob import MAGIC
+from server_support import (METRIC, base_dir, flip_payload_bytes, l3_flags, pages_of, prompt, server, slab_files,
+                            write_l3_config)
 
 pytestmark = pytest.mark.gpu
 N = 4096
@@ -82,28 +81,6 @@ def test_l3_flush_and_every_cold_start_mode(model, tmp_path_factory):
     assert fifth.output_ids == first.output_ids
 
 
-def _flip_payload_bytes(slab_paths, every: int = 7) -> int:
-    """Flip one payload byte in every ``every``-th stored page (the payload ends where the
-    64-byte header, starting with MAGIC, begins). Returns how many pages were damaged."""
-    damaged = 0
-    seen = 0
-    for path in slab_paths:
-        with open(path, "r+b") as f:
-            data = f.read()
-            pos = data.find(MAGIC)
-            while pos != -1:
-                if seen % every == 3:
-                    f.seek(pos - 777)
-                    b = f.read(1)
-                    f.seek(pos - 777)
-                    f.write(bytes([b[0] ^ 0x5A]))
-                    damaged += 1
-                seen += 1
-                pos = data.find(MAGIC, pos + 64)
-        os.sync()
-    return damaged
-
-
 def test_damaged_slab_bytes_are_recomputed_not_served(tmp_path_factory):
     root = base_dir(tmp_path_factory, "l3-damage")
     cfg = write_l3_config(root)
@@ -111,7 +88,7 @@ def test_damaged_slab_bytes_are_recomputed_not_served(tmp_path_factory):
     with server("mla", l3_flags(cfg, "clear"), root, "write") as s:
         ref = s.generate(P)
         assert _spilled_ok(_settled(s, "spill_pages_total", pages))
-    damaged = _flip_payload_bytes(slab_files(root))
+    damaged = flip_payload_bytes(slab_files(root), every=7, phase=3, back=777)
     assert damaged >= 2, f"expected to damage pages in {slab_files(root)}"
 
     with server("mla", l3_flags(cfg, "load"), root, "damaged") as s:
