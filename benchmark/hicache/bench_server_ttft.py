@@ -27,6 +27,12 @@ the device hit's stages of the same prompt.
         --model small:8192,32768,131072 --work-dir /path/on/nvme --out-dir out/ttft
     python benchmark/hicache/bench_server_ttft.py report out/a/ttft.json out/b/ttft.json --out-dir out/ttft
 
+``--pd-cp N``: servers A and B are each a PD pair (``sglang_cp.pd_pair``) on N GPUs: a CP-sharded prefill
+worker (TP = CP = N, KV sharding, HiCache and L3: each rank persists its own stripe) and a decode worker on
+the same GPUs, every request sent to both with one bootstrap room. TTFT is then the decode worker's
+answer (the prefix computed or restored on the prefill worker, sent over the transfer engine, one decode
+step), and the cache details, counters and stages are the prefill worker's.
+
 ``run`` writes ``ttft.json``, ``ttft.png`` and prints the table; ``report`` merges the
 JSON of several runs (e.g. one model per run) into one table and plot.
 
@@ -119,6 +125,39 @@ def med(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
 
 
+def check_pd_args(args) -> None:
+    """--pd-cp's constraints, each named with its fix (before any server starts)."""
+    if args.mem_fraction is None:
+        args.mem_fraction = 0.5 if args.pd_cp else 0.8
+    if not args.pd_cp:
+        return
+    if args.pd_cp < 2:
+        raise SystemExit(f"--pd-cp {args.pd_cp}: a CP-sharded prefill worker needs at least 2 GPUs (or leave it out)")
+    if args.profile:
+        raise SystemExit("--profile attaches py-spy to one server; it is not available with --pd-cp")
+    if args.mem_fraction + args.pd_decode_mem_fraction > 0.9:
+        raise SystemExit(f"--mem-fraction {args.mem_fraction} + --pd-decode-mem-fraction {args.pd_decode_mem_fraction} "
+                         "> 0.9: the prefill and decode workers share the GPUs; lower one of them")
+
+
+def make_server(model: str, tag: str, flags: list, model_flags: list, common: dict, args, ServerProcess):
+    """Server A or B: one ServerProcess, or with --pd-cp a PdPair (sharded prefill worker with ``flags``,
+    decode worker with the model's own flags only: L3 lives on the prefill side)."""
+    log_path = os.path.join(args.out_dir, f"{tag}.log")
+    if not args.pd_cp:
+        return ServerProcess(model, flags, log_path=log_path, **common)
+    from sglang_cp.pd_pair import PdPair, decode_args, sharded_prefill_args
+    from sglang_cp.server_process import free_port
+
+    bport = free_port()
+    prefill = ServerProcess(model, flags + sharded_prefill_args(args.pd_cp, bport, args.pd_transfer_backend),
+                            log_path=log_path, **common)
+    decode = ServerProcess(model, model_flags + decode_args(args.pd_cp, args.pd_transfer_backend),
+                           log_path=os.path.join(args.out_dir, f"{tag}-decode.log"),
+                           **{**common, "mem_fraction_static": args.pd_decode_mem_fraction})
+    return PdPair(prefill, decode, bport)
+
+
 def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     model = MODELS.get(name, name)
     per_tok = kv_bytes_per_token(model)
@@ -139,7 +178,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     data_dir = os.path.join(work, "data")
     res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
            "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout,
-           "attention_backend": args.attention_backend, "read_engine": args.read_engine}
+           "attention_backend": args.attention_backend, "read_engine": args.read_engine, "pd_cp": args.pd_cp}
 
     log(f"[{name}] raw disk probe ({args.raw_gib} GiB O_DIRECT, {args.io_threads} threads) in {data_dir}")
     raw0 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
@@ -180,7 +219,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 **request_stages(r)}
 
     rows = {"recompute": [], "l2": [], "l3": [], "device": []}
-    a = ServerProcess(model, flags("clear"), log_path=os.path.join(args.out_dir, f"{name}-A.log"), **common)
+    a = make_server(model, f"{name}-A", flags("clear"), model_flags, common, args, ServerProcess)
     a.start()
     res["startup_s_A"] = round(a.startup_s, 1)
     try:
@@ -211,20 +250,18 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     finally:
         a.stop()
 
-    b = ServerProcess(model, flags("load"), log_path=os.path.join(args.out_dir, f"{name}-B.log"), **common)
+    b = make_server(model, f"{name}-B", flags("load"), model_flags, common, args, ServerProcess)
     b.start()
     res["startup_s_B"] = round(b.startup_s, 1)
     try:
         warm(b)
         for L in lengths:
             for i, p in enumerate(P[L]):
-                before = b.metrics()
+                before = b.metrics_text()
                 r = b.generate(p, 1)
                 row = rec(r, L)
                 time.sleep(1.2)  # the cp_l3 counters are published every second
-                after = b.metrics()
-                for key, metric in STORE_COUNTERS.items():
-                    row[key] = after.get(metric, 0.0) - before.get(metric, 0.0)
+                row.update(store_deltas(before, b.metrics_text()))
                 rows["l3"].append(row)
                 d = b.generate(p, 1)
                 rows["device"].append(rec(d, L))
@@ -311,6 +348,27 @@ STAGES = ("to_forward_s", "prefetch_wait_s", "forward_s", "after_forward_s")
 # the hash of the prompt's pages, the host pool -> GPU load and the scheduling around them.
 STORE_COUNTERS = {"reload_bytes": "sglang:cp_l3_reload_bytes_total", "read_s": "sglang:cp_l3_read_seconds_total",
                   "read_calls": "sglang:cp_l3_read_calls_total", "hitq_s": "sglang:cp_l3_hit_query_seconds_total"}
+
+
+# Seconds inside the store: CP ranks spend them side by side, so a request's share is the slowest rank's.
+STORE_TIMES = ("read_s", "hitq_s")
+
+
+def store_deltas(before_text: str, after_text: str) -> dict:
+    """The store's counters for one request, from /metrics before and after it: bytes and calls summed over
+    the ranks, seconds the slowest rank's (one rank: the same thing)."""
+    from sglang_cp.server_process import parse_metrics
+
+    b, a = parse_metrics(before_text), parse_metrics(after_text)
+    b_rank, a_rank = parse_metrics(before_text, by_label="cp_rank"), parse_metrics(after_text, by_label="cp_rank")
+    row = {}
+    for key, metric in STORE_COUNTERS.items():
+        if key in STORE_TIMES:
+            after_r, before_r = a_rank.get(metric, {}), b_rank.get(metric, {})
+            row[key] = max((v - before_r.get(rank, 0.0) for rank, v in after_r.items()), default=0.0)
+        else:
+            row[key] = a.get(metric, 0.0) - b.get(metric, 0.0)
+    return row
 
 
 def summarize(res: dict) -> list:
@@ -457,7 +515,8 @@ def main(argv=None):
     r.add_argument("--out-dir", default="out/ttft")
     r.add_argument("--hicache-size", type=int, default=0, help="host pool GB (default: sized to the prompts)")
     r.add_argument("--mem-layout", default="page_first", choices=["page_first", "layer_first"])
-    r.add_argument("--mem-fraction", type=float, default=0.8)
+    r.add_argument("--mem-fraction", type=float, default=None,
+                   help="the (prefill) server's --mem-fraction-static (default 0.8; 0.5 with --pd-cp)")
     r.add_argument("--attention-backend", default="triton",
                    help="upstream's --attention-backend (fa3 on sm90 prefills long prompts much faster)")
     r.add_argument("--kv-cache-dtype", default="", help="upstream's --kv-cache-dtype (default: upstream's choice)")
@@ -473,6 +532,12 @@ def main(argv=None):
     r.add_argument("--spill-timeout", type=float, default=300)
     r.add_argument("--profile", action="store_true",
                    help="restore one more prompt per length under py-spy (pip install py-spy)")
+    r.add_argument("--pd-cp", type=int, default=0, metavar="N",
+                   help="servers A and B as PD pairs on N GPUs: a CP-sharded prefill worker (L3 on it) + a decode "
+                        "worker (needs a transfer engine; non-DSA models need --attention-backend fa3 on sm90)")
+    r.add_argument("--pd-transfer-backend", default="nixl", help="with --pd-cp: upstream's disaggregation transfer backend")
+    r.add_argument("--pd-decode-mem-fraction", type=float, default=0.3,
+                   help="with --pd-cp: the decode worker's --mem-fraction-static (the prefill worker takes --mem-fraction)")
     p = sub.add_parser("report", help="merge ttft.json files into one table and plot")
     p.add_argument("json", nargs="+")
     p.add_argument("--out-dir", default="out/ttft")
@@ -486,6 +551,7 @@ def main(argv=None):
         render(results, args.out_dir)
         return 0
 
+    check_pd_args(args)
     sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
     if args.profile:
         sys.path.insert(0, HERE)

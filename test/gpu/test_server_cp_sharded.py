@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 from server_support import MODELS, base_dir, flip_payload_bytes, l3_flags, pages_of, prompt, slab_files, write_l3_config
 
+from sglang_cp.pd_pair import decode_args, pd_generate, sharded_prefill_args
 from sglang_cp.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.gpu
@@ -38,47 +37,18 @@ pytest.importorskip("nixl._api", reason="needs the nixl transfer engine (PD pref
 pytest.importorskip("sgl_kernel.flash_attn", reason="needs sgl_kernel's fa3 ops (KV sharding on sm90)")
 
 N = 4096
-PD = ["--disaggregation-transfer-backend", "nixl"]
 
 
 def _prefill(model, cfg, cold, root, tag, bootstrap_port):
     return ServerProcess(
         MODELS[model], log_path=os.path.join(root, f"{tag}.log"), attention_backend="fa3",
         mem_fraction_static=0.35, startup_timeout_s=600,
-        extra_args=["--tp", "2", "--enable-prefill-cp", "--attn-cp-size", "2", "--cp-strategy", "zigzag",
-                    "--enable-kv-cache-sharding", "--chunked-prefill-size", "4096",
-                    "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port),
-                    *PD, *l3_flags(cfg, cold), "--cp-hicache-placement-assert"])
+        extra_args=[*sharded_prefill_args(2, bootstrap_port), *l3_flags(cfg, cold), "--cp-hicache-placement-assert"])
 
 
 def _decode(model, root):
-    return ServerProcess(
-        MODELS[model], log_path=os.path.join(root, "decode.log"), attention_backend="fa3",
-        mem_fraction_static=0.3, startup_timeout_s=600,
-        extra_args=["--tp", "2", "--disaggregation-mode", "decode", *PD])
-
-
-def pd_generate(prefill, decode, bootstrap_port, ids, n=8):
-    """One request through both workers with one bootstrap room, as upstream's router does."""
-    room = random.getrandbits(62)
-    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port, "bootstrap_room": room}
-    out = {}
-
-    def run(name, srv):
-        try:
-            out[name] = srv.generate(ids, n, timeout_s=300, extra=extra)
-        except Exception as e:  # reported below with both sides
-            out[name] = e
-
-    ts = [threading.Thread(target=run, args=(k, s)) for k, s in (("prefill", prefill), ("decode", decode))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(330)
-    for k in ("prefill", "decode"):
-        if isinstance(out.get(k), Exception) or k not in out:
-            raise AssertionError(f"PD request failed on {k}: {out.get(k)!r}")
-    return out["prefill"], out["decode"]
+    return ServerProcess(MODELS[model], log_path=os.path.join(root, "decode.log"), attention_backend="fa3",
+                         mem_fraction_static=0.3, startup_timeout_s=600, extra_args=decode_args(2))
 
 
 def _per_rank_slots(srv, want_total, timeout_s=90):

@@ -89,3 +89,58 @@ def test_restore_stages_from_upstreams_time_stats():
     # and the run's log line per restore
     assert bench.stage_line(run["rows"]["l3"][0]) == ("to forward 120.0 (prefetch wait 90.0, store reads 100.0), "
                                                       "forward 90.0, after 10.0 ms")
+
+
+def _metrics(**per_rank):
+    """/metrics text with the store's counters per CP rank: rank=(bytes, read_s, calls, hitq_s)."""
+    names = ("reload_bytes_total", "read_seconds_total", "read_calls_total", "hit_query_seconds_total")
+    return "".join(f'sglang:cp_l3_{n}{{cp_rank="{rank[1:]}",pp_rank="0",tp_rank="{rank[1:]}"}} {v}\n'
+                   for rank, vals in per_rank.items() for n, v in zip(names, vals))
+
+
+def test_store_deltas_sum_bytes_over_ranks_and_take_the_slowest_ranks_seconds():
+    before = _metrics(r0=(1e9, 1.0, 10, 0.1), r1=(1e9, 2.0, 10, 0.1))
+    after = _metrics(r0=(1.5e9, 1.2, 12, 0.11), r1=(1.4e9, 2.5, 13, 0.13))
+    d = bench.store_deltas(before, after)
+    assert abs(d["reload_bytes"] - 0.9e9) < 1 and d["read_calls"] == 5  # both ranks' pages, both ranks' calls
+    assert abs(d["read_s"] - 0.5) < 1e-9 and abs(d["hitq_s"] - 0.03) < 1e-9  # rank 1: the ranks read side by side
+    one = bench.store_deltas(_metrics(r0=(0, 0, 0, 0)), _metrics(r0=(2e9, 0.4, 3, 0.02)))
+    assert (one["reload_bytes"], one["read_s"], one["read_calls"]) == (2e9, 0.4, 3)  # one rank: plain deltas
+
+
+def test_pd_cp_servers_are_pairs_with_the_sharded_prefill_flags_and_refusals(tmp_path):
+    import argparse
+
+    import pytest
+
+    from sglang_cp.pd_pair import PdPair
+    from sglang_cp.server_process import ServerProcess
+
+    def ns(**kw):
+        base = dict(pd_cp=2, profile=False, mem_fraction=None, pd_decode_mem_fraction=0.3,
+                    pd_transfer_backend="nixl", out_dir=str(tmp_path))
+        return argparse.Namespace(**{**base, **kw})
+
+    args = ns()
+    bench.check_pd_args(args)
+    assert args.mem_fraction == 0.5  # the PD default: both workers share the GPUs
+    common = dict(mem_fraction_static=0.5, context_length=9000, max_total_tokens=12000)
+    l3 = ["--enable-cp-l3", "--cp-l3-config", "l3.toml"]
+    pair = bench.make_server("m", "m-A", ["--kv-cache-dtype", "bf16", *l3], ["--kv-cache-dtype", "bf16"],
+                             common, args, ServerProcess)
+    assert isinstance(pair, PdPair)
+    pf, dc = pair.prefill.command(), pair.decode.command()
+    assert "--enable-kv-cache-sharding" in pf and "--enable-cp-l3" in pf
+    assert pf[pf.index("--disaggregation-bootstrap-port") + 1] == str(pair.bootstrap_port)
+    assert "--enable-cp-l3" not in dc and dc[dc.index("--disaggregation-mode") + 1] == "decode"
+    assert dc[dc.index("--mem-fraction-static") + 1] == "0.3" and "--kv-cache-dtype" in dc
+    plain = bench.make_server("m", "m-A", l3, [], common, ns(pd_cp=0), ServerProcess)
+    assert type(plain) is ServerProcess and "--enable-kv-cache-sharding" not in plain.command()
+
+    for bad, fix in ((dict(pd_cp=1), "at least 2 GPUs"), (dict(profile=True), "not available with --pd-cp"),
+                     (dict(mem_fraction=0.7), "lower one of them")):
+        with pytest.raises(SystemExit, match=fix):
+            bench.check_pd_args(ns(**bad))
+    off = ns(pd_cp=0)
+    bench.check_pd_args(off)
+    assert off.mem_fraction == 0.8
