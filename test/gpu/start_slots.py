@@ -25,6 +25,8 @@ import json
 import os
 import time
 
+from soak_support import percentile
+
 
 @contextlib.contextmanager
 def start_slot(env: dict, slots: int | None = None, wait_s: float | None = None, lock_dir: str | None = None):
@@ -93,11 +95,6 @@ def read_starts(path: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _pct(xs: list, p: float) -> float:
-    xs = sorted(xs)
-    return xs[max(0, min(len(xs) - 1, -(-len(xs) * p // 100) - 1))] if xs else float("nan")
-
-
 def start_table(starts: list, slowest: int = 3) -> str:
     """Per GPU: how many starts, how many failed, the slot wait and spawn -> healthy (p50 / max, s), and the
     slowest starts with their tests; empty when there were none."""
@@ -106,13 +103,16 @@ def start_table(starts: list, slowest: int = 3) -> str:
     by_gpu = collections.defaultdict(list)
     for e in starts:
         by_gpu[e.get("gpu", "all")].append(e)
+    def sec(v, width):
+        return f"{v:>{width}.1f}" if v is not None else f"{'-':>{width}}"
+
     head = f"{'gpu':>4} {'starts':>6} {'failed':>6} {'wait p50':>8} {'wait max':>8} {'start p50':>9} {'start max':>9}"
     lines = [head, "-" * len(head)]
     for gpu, es in sorted(by_gpu.items()):
         waits = [e["wait_s"] for e in es]
         ok = [e["start_s"] for e in es if e["ok"]]
-        lines.append(f"{gpu:>4} {len(es):>6} {sum(not e['ok'] for e in es):>6} {_pct(waits, 50):>8.1f} "
-                     f"{max(waits):>8.1f} {_pct(ok, 50):>9.1f} {max(ok, default=float('nan')):>9.1f}")
+        lines.append(f"{gpu:>4} {len(es):>6} {sum(not e['ok'] for e in es):>6} {sec(percentile(waits, 50), 8)} "
+                     f"{sec(max(waits), 8)} {sec(percentile(ok, 50), 9)} {sec(max(ok, default=None), 9)}")
     worst = sorted(starts, key=lambda e: -(e["wait_s"] + e["start_s"]))[:slowest]
     lines.append("slowest (wait + start): " + "; ".join(
         f"{e['test']} [{e['tag']}] {e['wait_s']:.0f} + {e['start_s']:.0f} s{'' if e['ok'] else ' FAILED'}"
