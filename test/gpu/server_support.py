@@ -131,14 +131,18 @@ def pages_of(n_tokens: int) -> int:
 
 
 class TestServer(ServerProcess):
-    """ServerProcess whose start waits for a start slot of its GPU (``start_slots.start_slot``) and goes
-    into the run's start ledger (``start_slots.ledgered_start``)."""
+    """ServerProcess whose start waits for the first start of its model on its GPU
+    (``start_slots.first_start_gate``) and a start slot (``start_slots.start_slot``), and goes into the
+    run's start ledger (``start_slots.ledgered_start``)."""
 
     __test__ = False  # not a pytest class
 
     def start(self) -> "TestServer":
         tag = os.path.splitext(os.path.basename(self.log_path))[0]
-        with ledgered_start(self.env or os.environ, tag):
+        # One model's kernels under one attention backend: what its first start JIT-builds.
+        cmd = self.command()
+        kernels = f"{os.path.basename(self.model_path.rstrip('/'))}-{cmd[cmd.index('--attention-backend') + 1]}"
+        with ledgered_start(self.env or os.environ, tag, kernels=kernels):
             super().start()
         return self
 

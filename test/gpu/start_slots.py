@@ -8,7 +8,14 @@ on a file shared by every pytest worker of the host, held from spawn until the s
 failed); serving is not limited, only the CPU- and JIT-heavy start.
 
 Knobs: ``SGLANG_CP_GPU_START_SLOTS`` (default 2), ``SGLANG_CP_GPU_START_WAIT_S`` (bound on the wait for a
-slot, default 1800), ``SGLANG_CP_GPU_START_LOCK_DIR`` (default ``/tmp/sglang-cp-gpu-start-<uid>``).
+slot, default 1800), ``SGLANG_CP_GPU_START_LOCK_DIR`` (default ``/tmp/sglang-cp-gpu-start-<uid>``),
+``SGLANG_CP_GPU_FIRST_START_GATE`` (default 1; 0 turns the gate below off).
+
+The first-start gate: the first start of one model's kernels on a GPU JIT-builds them (MLA 51 s, DSA 84 s
+on an H200), and two such starts at once each pay the whole build (196 / 207 s against 132 s alone, the
+thirteenth run). So until one start of a model has come up healthy on a GPU, other starts of that model
+wait for it, without holding a slot, while starts of other models go on. A marker file beside the slots
+says the model is warm; it lives as long as the lock dir, as the JIT caches live as long as the machine.
 
 The start ledger: every test server's start (its slot wait, spawn -> healthy, failed or not) is one JSON
 line in ``SGLANG_CP_GPU_START_LOG`` (set by the suite's conftest for the whole run, workers included), and
@@ -23,6 +30,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 
 from soak_support import percentile
@@ -56,6 +64,45 @@ def start_slot(env: dict, slots: int | None = None, wait_s: float | None = None,
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def first_start_gate(env: dict, kernels: str | None, wait_s: float | None = None, lock_dir: str | None = None):
+    """Yields True when the caller's start is the first of ``kernels`` on its GPU (it builds them; every
+    other start of them waits here until it is healthy), False when they are warm or the gate is off. A
+    first start that fails leaves no marker: the next waiter builds. TimeoutError after ``wait_s``."""
+    if not kernels or os.environ.get("SGLANG_CP_GPU_FIRST_START_GATE", "1") == "0":
+        yield False
+        return
+    wait_s = float(os.environ.get("SGLANG_CP_GPU_START_WAIT_S", "1800")) if wait_s is None else wait_s
+    d = lock_dir or os.environ.get("SGLANG_CP_GPU_START_LOCK_DIR") or f"/tmp/sglang-cp-gpu-start-{os.geteuid()}"
+    gpu = (env.get("CUDA_VISIBLE_DEVICES") or "all").replace(",", "_")
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", kernels)
+    warm = os.path.join(d, f"gpu{gpu}.{key}.warm")
+    if os.path.exists(warm):
+        yield False
+        return
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(d, f"gpu{gpu}.{key}.first"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the first start of {kernels} on GPU {gpu} was not healthy within "
+                                       f"{wait_s:.0f} s ({d})") from None
+                time.sleep(0.2)
+        if os.path.exists(warm):  # built by the start this one waited for
+            yield False
+            return
+        yield True
+        os.close(os.open(warm, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+    finally:
+        os.close(fd)  # drops the flock
+
+
 def record_start(entry: dict, path: str | None = None) -> None:
     """Append one start to the ledger ``path`` (None: ``SGLANG_CP_GPU_START_LOG``; empty: no ledger, no-op).
     One ``write`` of one line on an O_APPEND file: the workers' lines never interleave."""
@@ -71,21 +118,25 @@ def record_start(entry: dict, path: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def ledgered_start(env: dict, tag: str, path: str | None = None, **slot_kw):
-    """A start slot (``start_slot``) around one server start, recorded in the ledger when the start ends,
-    failed (the exception passes through) or not: the slot wait, and the start's own time."""
+def ledgered_start(env: dict, tag: str, path: str | None = None, kernels: str | None = None, **slot_kw):
+    """The first-start gate of ``kernels`` and a start slot (``start_slot``) around one server start,
+    recorded in the ledger when the start ends, failed (the exception passes through) or not: the wait
+    (gate and slot; ``gate_s`` of it at the gate), whether it built the kernels, and the start's own time."""
     asked = time.monotonic()
-    with start_slot(env, **slot_kw) as slot:
-        began = time.monotonic()
-        entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], "tag": tag,
-                 "gpu": env.get("CUDA_VISIBLE_DEVICES", "all"), "slot": slot,
-                 "wait_s": round(began - asked, 2), "ok": False}
-        try:
-            yield entry
-            entry["ok"] = True
-        finally:
-            entry["start_s"] = round(time.monotonic() - began, 2)
-            record_start(entry, path)
+    with first_start_gate(env, kernels, slot_kw.get("wait_s"), slot_kw.get("lock_dir")) as first:
+        gated = time.monotonic()
+        with start_slot(env, **slot_kw) as slot:
+            began = time.monotonic()
+            entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], "tag": tag,
+                     "gpu": env.get("CUDA_VISIBLE_DEVICES", "all"), "slot": slot, "kernels": kernels,
+                     "first": first, "gate_s": round(gated - asked, 2), "wait_s": round(began - asked, 2),
+                     "ok": False}
+            try:
+                yield entry
+                entry["ok"] = True
+            finally:
+                entry["start_s"] = round(time.monotonic() - began, 2)
+                record_start(entry, path)
 
 
 def read_starts(path: str) -> list:
@@ -115,6 +166,7 @@ def start_table(starts: list, slowest: int = 3) -> str:
                      f"{sec(max(waits), 8)} {sec(percentile(ok, 50), 9)} {sec(max(ok, default=None), 9)}")
     worst = sorted(starts, key=lambda e: -(e["wait_s"] + e["start_s"]))[:slowest]
     lines.append("slowest (wait + start): " + "; ".join(
-        f"{e['test']} [{e['tag']}] {e['wait_s']:.0f} + {e['start_s']:.0f} s{'' if e['ok'] else ' FAILED'}"
+        f"{e['test']} [{e['tag']}] {e['wait_s']:.0f} + {e['start_s']:.0f} s{' (built kernels)' if e.get('first') else ''}"
+        f"{'' if e['ok'] else ' FAILED'}"
         for e in worst))
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 its prompts answer with their document's planted token under a model that answers with its prefix's most
 frequent token (what the KV-sensitive weights do), chats grow from the answers, the stream is
 deterministic and Zipf-skewed, the phase plan ends gracefully, and the process-group RSS reader finds a
-real group. The start slots (test/gpu/start_slots.py): at most N holders per GPU, a bounded wait."""
+real group. The start slots (test/gpu/start_slots.py): at most N holders per GPU, a bounded wait, the first
+start of a model building its kernels alone."""
 
 import collections
 import importlib.util
@@ -154,6 +155,68 @@ def test_start_ledger_records_each_start_its_slot_wait_and_failures(tmp_path):
     assert "[second]" in table and "FAILED" in table
     assert slots.start_table([]) == "" and slots.read_starts(str(tmp_path / "none.jsonl")) == []
     slots.record_start({"x": 1}, path="")  # no ledger: nothing written, no error
+
+
+def test_first_start_of_a_model_builds_alone_and_others_go_on(tmp_path, monkeypatch):
+    """Until one start of a model's kernels is healthy on a GPU, its other starts wait at the gate holding
+    no slot; another model's start takes the free slot meanwhile. A failed first start leaves the model
+    cold (the next start builds); once warm, starts pass the gate at once. The gate's wait is bounded."""
+    import threading
+
+    monkeypatch.delenv("SGLANG_CP_GPU_FIRST_START_GATE", raising=False)
+    ledger, env = str(tmp_path / "starts.jsonl"), {"CUDA_VISIBLE_DEVICES": "0"}
+    kw = dict(path=ledger, slots=2, wait_s=30, lock_dir=str(tmp_path / "locks"))
+    building, release = threading.Event(), threading.Event()
+
+    def first(tag, fail):
+        try:
+            with slots.ledgered_start(env, tag, kernels="dsa-model-dsa", **kw):
+                building.set()
+                assert release.wait(10)
+                if fail:
+                    raise RuntimeError("start failed")
+        except RuntimeError:
+            pass
+
+    t = threading.Thread(target=first, args=("cold-fails", True))
+    t.start()
+    assert building.wait(10)
+    waiter_entry = {}
+
+    def second():
+        with slots.ledgered_start(env, "waits", kernels="dsa-model-dsa", **kw) as e:
+            waiter_entry.update(e)
+
+    w = threading.Thread(target=second)
+    w.start()
+    time.sleep(0.5)
+    assert not waiter_entry  # held at the gate
+    with slots.ledgered_start(env, "other-model", kernels="mla-model-triton", wait_s=1,
+                              **{k: v for k, v in kw.items() if k != "wait_s"}) as other:
+        assert other["slot"] == 1 and other["first"] is True  # the waiter holds no slot
+    release.set()
+    t.join(10)
+    w.join(10)
+    assert waiter_entry["first"] is True  # the failed start left the model cold: the waiter built it
+    with slots.ledgered_start(env, "warm", kernels="dsa-model-dsa", **kw) as warm:
+        assert warm["first"] is False and warm["gate_s"] < 0.5
+    by_tag = {e["tag"]: e for e in slots.read_starts(ledger)}
+    assert (by_tag["cold-fails"]["ok"], by_tag["cold-fails"]["first"]) == (False, True)
+    assert by_tag["waits"]["ok"] and by_tag["waits"]["gate_s"] >= 0.4
+    locks = sorted(os.listdir(tmp_path / "locks"))
+    assert "gpu0.dsa-model-dsa.warm" in locks and "gpu0.mla-model-triton.warm" in locks, locks
+    assert all(oct(os.stat(tmp_path / "locks" / n).st_mode & 0o777) == "0o600" for n in locks)
+
+    # The gate's wait is bounded and names the kernels; off, it lets every start through.
+    lk = dict(lock_dir=str(tmp_path / "locks2"))
+    with slots.first_start_gate(env, "mha-x", wait_s=1, **lk) as built:
+        assert built is True
+        with pytest.raises(TimeoutError, match="first start of mha-x on GPU 0"):
+            with slots.first_start_gate(env, "mha-x", wait_s=0.3, **lk):
+                pass
+        monkeypatch.setenv("SGLANG_CP_GPU_FIRST_START_GATE", "0")
+        with slots.first_start_gate(env, "mha-x", wait_s=0.3, **lk) as off:
+            assert off is False
 
 
 def test_fsck_summary_keeps_totals_and_counts_not_a_tail(tmp_path):
