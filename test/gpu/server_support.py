@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 from sglang_cp.demo_config import write_demo_config  # noqa: E402
 from sglang_cp.server_process import ServerProcess  # noqa: E402
 from slab_damage import flip_payload_bytes  # noqa: E402,F401  (the damage tests' one way to hurt a slab)
-from start_slots import ledgered_start  # noqa: E402
+from start_slots import kernels_key, ledgered_start  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
@@ -139,12 +139,12 @@ class TestServer(ServerProcess):
 
     def start(self) -> "TestServer":
         tag = os.path.splitext(os.path.basename(self.log_path))[0]
-        # One model's kernels under one attention backend: what its first start JIT-builds.
-        cmd = self.command()
-        kernels = f"{os.path.basename(self.model_path.rstrip('/'))}-{cmd[cmd.index('--attention-backend') + 1]}"
-        with ledgered_start(self.env or os.environ, tag, kernels=kernels):
+        with ledgered_start(self.env or os.environ, tag, kernels=self.kernels()):
             super().start()
         return self
+
+    def kernels(self) -> str:
+        return kernels_key(self.model_path, self.command())
 
 
 def server(model: str, extra: list, log_dir: str, tag: str, env: dict | None = None, **kw) -> TestServer:

@@ -64,6 +64,13 @@ def start_slot(env: dict, slots: int | None = None, wait_s: float | None = None,
         time.sleep(0.2)
 
 
+def kernels_key(model_path: str, argv: list) -> str:
+    """What a server's first start JIT-builds: its model under its attention backend, "default" when the
+    command leaves the choice to upstream (the README's launch line)."""
+    backend = argv[argv.index("--attention-backend") + 1] if "--attention-backend" in argv else "default"
+    return f"{os.path.basename(model_path.rstrip('/'))}-{backend}"
+
+
 @contextlib.contextmanager
 def first_start_gate(env: dict, kernels: str | None, wait_s: float | None = None, lock_dir: str | None = None):
     """Yields True when the caller's start is the first of ``kernels`` on its GPU (it builds them; every

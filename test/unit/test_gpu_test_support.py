@@ -219,6 +219,30 @@ def test_first_start_of_a_model_builds_alone_and_others_go_on(tmp_path, monkeypa
             assert off is False
 
 
+def test_every_server_command_names_the_kernels_its_first_start_builds(tmp_path, monkeypatch):
+    """The gate's key comes from each server's own command: the suite's servers name their attention
+    backend, the README's launch line does not (upstream chooses). A key that only worked for the first
+    kind failed the README launch test on the H200 before its server spawned."""
+    import re
+    import shlex
+
+    from sglang_cp.server_process import ServerProcess
+
+    monkeypatch.delenv("SGLANG_CP_TEST_ATTENTION_BACKEND", raising=False)
+    models = os.path.join(_GPU, "models")
+    keys = {m: slots.kernels_key(p, ServerProcess(p, attention_backend="dsa" if "dsa" in m else None).command())
+            for m, p in ((m, os.path.join(models, m)) for m in sorted(os.listdir(models)))}
+    assert keys == {"tiny-dsv3": "tiny-dsv3-triton", "tiny-glm5-dsa": "tiny-glm5-dsa-dsa",
+                    "tiny-olmo2": "tiny-olmo2-triton"}, keys
+    with open(os.path.join(os.path.dirname(os.path.dirname(_GPU)), "README.md")) as f:
+        blocks = [b for b in re.findall(r"```\n(.*?)```", f.read(), re.S)
+                  if b.startswith("python -m sglang.launch_server")]
+    readme_argv = shlex.split(blocks[0].replace("\\\n", " "))
+    assert "--attention-backend" not in readme_argv
+    assert slots.kernels_key("/m/tiny-dsv3/", readme_argv) == "tiny-dsv3-default"
+    assert slots.kernels_key("/m/tiny-dsv3", [*readme_argv, "--attention-backend", "fa3"]) == "tiny-dsv3-fa3"
+
+
 def test_fsck_summary_keeps_totals_and_counts_not_a_tail(tmp_path):
     """The soak keeps fsck's totals and counts per kind, and a head of the findings: the old tail of the
     text cut the totals off behind hundreds of inert orphans (the first H200 pass's JSON)."""
