@@ -219,6 +219,48 @@ def test_first_start_of_a_model_builds_alone_and_others_go_on(tmp_path, monkeypa
             assert off is False
 
 
+def test_waiters_at_the_gate_start_together_once_the_model_is_warm(tmp_path, monkeypatch):
+    """Once the first start has built a model's kernels, the starts that waited for it go on at once and
+    side by side (one slot each), not one after another through the gate: a waiter that held the gate for
+    its own warm start queued the next behind it (169 + 78 + 43 s on the H200)."""
+    import threading
+
+    monkeypatch.delenv("SGLANG_CP_GPU_FIRST_START_GATE", raising=False)
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    kw = dict(path=str(tmp_path / "starts.jsonl"), slots=3, wait_s=30, lock_dir=str(tmp_path / "locks"))
+    building, release = threading.Event(), threading.Event()
+    inside, both_inside = [], threading.Event()
+    lock = threading.Lock()
+
+    def builder():
+        with slots.ledgered_start(env, "builds", kernels="m-dsa", **kw):
+            building.set()
+            assert release.wait(10)
+
+    def waiter(tag):
+        with slots.ledgered_start(env, tag, kernels="m-dsa", **kw) as e:
+            with lock:
+                inside.append(e["first"])
+                if len(inside) == 2:
+                    both_inside.set()
+            both_inside.wait(20)  # a serialised gate keeps the other waiter out: this times out
+
+    b = threading.Thread(target=builder)
+    b.start()
+    assert building.wait(10)
+    ws = [threading.Thread(target=waiter, args=(f"w{i}",)) for i in range(2)]
+    for w in ws:
+        w.start()
+    time.sleep(0.5)
+    assert inside == []  # both wait at the gate while the kernels build
+    release.set()
+    b.join(10)
+    assert both_inside.wait(10), "the second waiter only got in after the first waiter's start ended"
+    for w in ws:
+        w.join(10)
+    assert inside == [False, False]
+
+
 def test_every_server_command_names_the_kernels_its_first_start_builds(tmp_path, monkeypatch):
     """The gate's key comes from each server's own command: the suite's servers name their attention
     backend, the README's launch line does not (upstream chooses). A key that only worked for the first
