@@ -10,6 +10,8 @@ Environment knobs (all optional):
 - ``SGLANG_CP_TEST_ATTENTION_BACKEND``: attention backend (default ``triton``);
 - ``SGLANG_CP_GPU_START_SLOTS``: how many servers may be starting at once on one GPU (default 2; see
   ``start_slot``), ``SGLANG_CP_GPU_START_WAIT_S``: the bound on waiting for a slot (default 1800 s);
+- ``SGLANG_CP_GPU_FIRST_START_GATE``: 1 (default) lets the first start of a model on a GPU build its
+  kernels before the other starts of that model (``start_slots.first_start_gate``); 0 turns that off;
 - ``SGLANG_CP_TEST_READ_ENGINE``: ``io.read_engine`` of every L3 config the tests write (default: the
   config's own default, ``python``), to run the suite on the other read engine.
 Under pytest-xdist each worker takes its own GPU (``gw<N>`` -> GPU N modulo the count).
