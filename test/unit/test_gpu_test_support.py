@@ -261,28 +261,80 @@ def test_waiters_at_the_gate_start_together_once_the_model_is_warm(tmp_path, mon
     assert inside == [False, False]
 
 
-def test_every_server_command_names_the_kernels_its_first_start_builds(tmp_path, monkeypatch):
-    """The gate's key comes from each server's own command: the suite's servers name their attention
-    backend, the README's launch line does not (upstream chooses). A key that only worked for the first
-    kind failed the README launch test on the H200 before its server spawned."""
-    import re
-    import shlex
+@pytest.fixture
+def gpu_harness(monkeypatch):
+    """test/gpu's server harness imported on CPU: its modules skip at import without CUDA, so their plain
+    Python (the servers' commands, the gate's key, the start path) ran first on the H200, where a
+    ValueError in the gate's key failed the README launch test. CUDA is only claimed for the imports;
+    sys.modules, sys.path and torch are restored after the test."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.syspath_prepend(_GPU)
+    mods = {}
+    for name in ("server_support", "test_readme_launch"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(_GPU, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, mod)
+        spec.loader.exec_module(mod)
+        mods[name] = mod
+    return mods
 
-    from sglang_cp.server_process import ServerProcess
+
+# Every TestServer subclass in test/gpu, with how the test below builds one.
+SERVER_KINDS = {"ReadmeServer"}
+
+
+def test_every_test_server_kind_names_the_kernels_its_first_start_builds(gpu_harness, tmp_path, monkeypatch):
+    """The gate's key comes from each server's own command: the suite's servers name their attention
+    backend, the README's launch line does not (upstream chooses)."""
+    import re
 
     monkeypatch.delenv("SGLANG_CP_TEST_ATTENTION_BACKEND", raising=False)
-    models = os.path.join(_GPU, "models")
-    keys = {m: slots.kernels_key(p, ServerProcess(p, attention_backend="dsa" if "dsa" in m else None).command())
-            for m, p in ((m, os.path.join(models, m)) for m in sorted(os.listdir(models)))}
-    assert keys == {"tiny-dsv3": "tiny-dsv3-triton", "tiny-glm5-dsa": "tiny-glm5-dsa-dsa",
-                    "tiny-olmo2": "tiny-olmo2-triton"}, keys
-    with open(os.path.join(os.path.dirname(os.path.dirname(_GPU)), "README.md")) as f:
-        blocks = [b for b in re.findall(r"```\n(.*?)```", f.read(), re.S)
-                  if b.startswith("python -m sglang.launch_server")]
-    readme_argv = shlex.split(blocks[0].replace("\\\n", " "))
-    assert "--attention-backend" not in readme_argv
-    assert slots.kernels_key("/m/tiny-dsv3/", readme_argv) == "tiny-dsv3-default"
-    assert slots.kernels_key("/m/tiny-dsv3", [*readme_argv, "--attention-backend", "fa3"]) == "tiny-dsv3-fa3"
+    support, readme = gpu_harness["server_support"], gpu_harness["test_readme_launch"]
+    keys = {m: support.server(m, [], str(tmp_path), m).kernels() for m in support.MODELS}
+    assert keys == {"mla": "tiny-dsv3-triton", "mha": "tiny-olmo2-triton", "dsa": "tiny-glm5-dsa-dsa"}, keys
+    srv = readme.ReadmeServer(readme.readme_command("python -m sglang.launch_server"),
+                              log_path=str(tmp_path / "readme.log"))
+    assert "--attention-backend" not in srv.command() and srv.kernels() == "tiny-dsv3-default"
+    monkeypatch.setenv("SGLANG_CP_TEST_ATTENTION_BACKEND", "fa3")
+    assert srv.kernels() == "tiny-dsv3-fa3"
+    found = set()
+    for name in os.listdir(_GPU):
+        if name.endswith(".py"):
+            with open(os.path.join(_GPU, name)) as f:
+                found |= set(re.findall(r"^class (\w+)\(TestServer\)", f.read(), re.M))
+    assert found == SERVER_KINDS, f"build the new kinds in this test: {found - SERVER_KINDS}"
+
+
+def test_test_server_start_takes_the_gate_and_a_slot_and_is_ledgered(gpu_harness, tmp_path, monkeypatch):
+    """TestServer.start end to end with a real child process (an HTTP server answering /health in place
+    of sglang): the gate builds on the first start of its kernels only, the ledger records both starts."""
+    support = gpu_harness["server_support"]
+    ledger = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("SGLANG_CP_GPU_START_LOG", str(ledger))
+    monkeypatch.setenv("SGLANG_CP_GPU_START_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.delenv("SGLANG_CP_GPU_FIRST_START_GATE", raising=False)
+    health = ("import http.server, sys\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+              "    def log_message(self, *a): pass\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+    class HealthOnly(support.TestServer):
+        def command(self):
+            return [sys.executable, "-c", health, str(self.port)]
+
+    for tag in ("first", "second"):
+        srv = HealthOnly(support.MODELS["mla"], log_path=str(tmp_path / f"{tag}.log"),
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "3"},
+                         startup_timeout_s=60)
+        with srv:
+            assert srv.startup_s is not None
+    starts = slots.read_starts(str(ledger))
+    assert [(e["tag"], e["kernels"], e["first"], e["ok"]) for e in starts] == [
+        ("first", "tiny-dsv3-default", True, True), ("second", "tiny-dsv3-default", False, True)], starts
+    assert os.path.exists(tmp_path / "locks" / "gpu3.tiny-dsv3-default.warm")
 
 
 def test_fsck_summary_keeps_totals_and_counts_not_a_tail(tmp_path):
