@@ -138,10 +138,11 @@ class TestServer(ServerProcess):
     run's start ledger (``start_slots.ledgered_start``)."""
 
     __test__ = False  # not a pytest class
+    start_priority = False  # True: a call's long pole, first to a free start slot (``start_slot``)
 
     def start(self) -> "TestServer":
         tag = os.path.splitext(os.path.basename(self.log_path))[0]
-        with ledgered_start(self.env or os.environ, tag, kernels=self.kernels()):
+        with ledgered_start(self.env or os.environ, tag, kernels=self.kernels(), priority=self.start_priority):
             super().start()
         return self
 
@@ -149,13 +150,16 @@ class TestServer(ServerProcess):
         return kernels_key(self.model_path, self.command())
 
 
-def server(model: str, extra: list, log_dir: str, tag: str, env: dict | None = None, **kw) -> TestServer:
+def server(model: str, extra: list, log_dir: str, tag: str, env: dict | None = None,
+           start_priority: bool = False, **kw) -> TestServer:
     # 0.3 of the GPU each: two test servers share one GPU under pytest-xdist -n 2x#GPUs.
     kw.setdefault("mem_fraction_static", 0.3)
     if model == "dsa":
         kw.setdefault("attention_backend", "dsa")
-    return TestServer(MODELS[model], extra_args=extra, env=env if env is not None else worker_env(),
-                      log_path=os.path.join(log_dir, f"{tag}.log"), **kw)
+    srv = TestServer(MODELS[model], extra_args=extra, env=env if env is not None else worker_env(),
+                     log_path=os.path.join(log_dir, f"{tag}.log"), **kw)
+    srv.start_priority = start_priority
+    return srv
 
 
 METRIC = "sglang:cp_l3_{}".format

@@ -73,7 +73,8 @@ def _reference(root: str) -> tuple:
     w = build()
     prompts = {("q", d, q): ids for (d, q), ids in w.questions.items()}
     ref: dict = {}
-    with server("mla", [], root, "reference", env=kv_env(), max_total_tokens=MAX_TOTAL_TOKENS) as s:
+    with server("mla", [], root, "reference", env=kv_env(), max_total_tokens=MAX_TOTAL_TOKENS,
+                start_priority=True) as s:
         def one_chat(c):
             return c, chat_turns(w, c, lambda ids: s.generate(ids, NEW, REQUEST_S).output_ids)
 
@@ -209,7 +210,7 @@ def _settle(srv, timeout_s: float = 60.0) -> dict:
 def _run_phase(k, cold, end, load_s, cfg, root, l2_flags, prompts, ref, schedule, pending) -> tuple:
     lmdb_path = os.path.join(os.path.dirname(cfg), "index", "data.mdb")
     srv = server("mla", _flags(cfg, cold, l2_flags), root, f"soak{k}-{cold}", env=kv_env(),
-                 max_total_tokens=MAX_TOTAL_TOKENS).start()
+                 max_total_tokens=MAX_TOTAL_TOKENS, start_priority=True).start()
     ph = Phase(f"{k}:{cold}->{end}", srv, prompts, ref, schedule, pending, lmdb_path)
     rep = {"phase": ph.name, "cold_start": cold, "end": end, "startup_s": round(srv.startup_s, 1)}
     try:

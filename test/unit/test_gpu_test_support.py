@@ -157,6 +157,52 @@ def test_start_ledger_records_each_start_its_slot_wait_and_failures(tmp_path):
     slots.record_start({"x": 1}, path="")  # no ledger: nothing written, no error
 
 
+def test_a_priority_start_takes_the_next_free_slot_before_waiting_starts(tmp_path):
+    """A long pole's start (priority) queued behind a full GPU gets the slot that frees next, though a
+    plain start was waiting longer; while one is queued no plain start takes a slot, even a free one; a
+    queue file whose process is gone holds nobody back and is cleared."""
+    import threading
+
+    env, d = {"CUDA_VISIBLE_DEVICES": "0"}, str(tmp_path / "locks")
+    kw = dict(slots=1, wait_s=30, lock_dir=d)
+    order, release = [], threading.Event()
+
+    def start(name, priority):
+        with slots.start_slot(env, priority=priority, **kw):
+            order.append(name)
+            time.sleep(0.3)
+
+    with slots.start_slot(env, **kw):
+        plain = threading.Thread(target=start, args=("plain", False))
+        plain.start()
+        time.sleep(0.5)  # the plain start has been polling for a while
+        prio = threading.Thread(target=start, args=("priority", True))
+        prio.start()
+        deadline = time.monotonic() + 10
+        while not any(".prio." in n for n in os.listdir(d)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    plain.join(20)
+    prio.join(20)
+    assert order == ["priority", "plain"]
+    assert not any(".prio." in n for n in os.listdir(d))  # dequeued once it had its slot
+
+    # A queued priority start (this live process) holds back a plain start even from a free slot.
+    queued = os.path.join(d, f"gpu0.prio.{os.getpid()}.1")
+    os.close(os.open(queued, os.O_WRONLY | os.O_CREAT, 0o600))
+    with pytest.raises(TimeoutError):
+        with slots.start_slot(env, slots=2, wait_s=0.5, lock_dir=d):
+            pass
+    os.unlink(queued)
+    # One whose process is gone does not, and is cleared.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    stale = os.path.join(d, f"gpu0.prio.{gone.pid}.1")
+    os.close(os.open(stale, os.O_WRONLY | os.O_CREAT, 0o600))
+    with slots.start_slot(env, slots=2, wait_s=5, lock_dir=d) as got:
+        assert got == 0
+    assert not os.path.exists(stale)
+
+
 def test_first_start_of_a_model_builds_alone_and_others_go_on(tmp_path, monkeypatch):
     """Until one start of a model's kernels is healthy on a GPU, its other starts wait at the gate holding
     no slot; another model's start takes the free slot meanwhile. A failed first start leaves the model
