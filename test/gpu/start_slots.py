@@ -37,6 +37,16 @@ import time
 from soak_support import percentile
 
 
+def _where(env: dict, lock_dir: str | None) -> tuple:
+    """(lock dir, GPU name) of the GPU ``env`` selects: the files every worker of the host shares."""
+    d = lock_dir or os.environ.get("SGLANG_CP_GPU_START_LOCK_DIR") or f"/tmp/sglang-cp-gpu-start-{os.geteuid()}"
+    return d, (env.get("CUDA_VISIBLE_DEVICES") or "all").replace(",", "_")
+
+
+def _wait_bound(wait_s: float | None) -> float:
+    return float(os.environ.get("SGLANG_CP_GPU_START_WAIT_S", "1800")) if wait_s is None else wait_s
+
+
 def _priority_waiters(d: str, gpu: str) -> int:
     """Priority starts of ``gpu`` waiting for a slot now (their files, whose processes live)."""
     n = 0
@@ -65,9 +75,8 @@ def start_slot(env: dict, slots: int | None = None, wait_s: float | None = None,
     so the long pole stops paying the slot queue of every short test beside it (the soaks waited 97 and
     131 s in all for slots in the fourteenth run)."""
     slots = int(os.environ.get("SGLANG_CP_GPU_START_SLOTS", "2")) if slots is None else slots
-    wait_s = float(os.environ.get("SGLANG_CP_GPU_START_WAIT_S", "1800")) if wait_s is None else wait_s
-    d = lock_dir or os.environ.get("SGLANG_CP_GPU_START_LOCK_DIR") or f"/tmp/sglang-cp-gpu-start-{os.geteuid()}"
-    gpu = (env.get("CUDA_VISIBLE_DEVICES") or "all").replace(",", "_")
+    wait_s = _wait_bound(wait_s)
+    d, gpu = _where(env, lock_dir)
     os.makedirs(d, mode=0o700, exist_ok=True)
     deadline = time.monotonic() + wait_s
     queued = None
@@ -78,7 +87,8 @@ def start_slot(env: dict, slots: int | None = None, wait_s: float | None = None,
         while True:
             if priority or not _priority_waiters(d, gpu):
                 for i in range(max(1, slots)):
-                    fd = os.open(os.path.join(d, f"gpu{gpu}.slot{i}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                    fd = os.open(os.path.join(d, f"gpu{gpu}.slot{i}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                 0o600)
                     try:
                         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except OSError:
@@ -117,9 +127,8 @@ def first_start_gate(env: dict, kernels: str | None, wait_s: float | None = None
     if not kernels or os.environ.get("SGLANG_CP_GPU_FIRST_START_GATE", "1") == "0":
         yield False
         return
-    wait_s = float(os.environ.get("SGLANG_CP_GPU_START_WAIT_S", "1800")) if wait_s is None else wait_s
-    d = lock_dir or os.environ.get("SGLANG_CP_GPU_START_LOCK_DIR") or f"/tmp/sglang-cp-gpu-start-{os.geteuid()}"
-    gpu = (env.get("CUDA_VISIBLE_DEVICES") or "all").replace(",", "_")
+    wait_s = _wait_bound(wait_s)
+    d, gpu = _where(env, lock_dir)
     key = re.sub(r"[^A-Za-z0-9_.-]", "_", kernels)
     warm = os.path.join(d, f"gpu{gpu}.{key}.warm")
     if os.path.exists(warm):
@@ -220,7 +229,7 @@ def start_table(starts: list, slowest: int = 3) -> str:
                      f"{sec(max(waits), 8)} {sec(percentile(ok, 50), 9)} {sec(max(ok, default=None), 9)}")
     worst = sorted(starts, key=lambda e: -(e["wait_s"] + e["start_s"]))[:slowest]
     lines.append("slowest (wait + start): " + "; ".join(
-        f"{e['test']} [{e['tag']}] {e['wait_s']:.0f} + {e['start_s']:.0f} s{' (built kernels)' if e.get('first') else ''}"
-        f"{'' if e['ok'] else ' FAILED'}"
+        f"{e['test']} [{e['tag']}] {e['wait_s']:.0f} + {e['start_s']:.0f} s"
+        f"{' (built kernels)' if e.get('first') else ''}{'' if e['ok'] else ' FAILED'}"
         for e in worst))
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -126,8 +127,6 @@ def test_every_gpu_test_that_changes_hugepages_shares_one_xdist_group():
 def test_start_ledger_records_each_start_its_slot_wait_and_failures(tmp_path):
     """Two starts on one slot: the second waits for the first; a failed start is recorded and re-raised;
     the table counts both and names the slowest."""
-    import threading
-
     ledger, env = str(tmp_path / "starts.jsonl"), {"CUDA_VISIBLE_DEVICES": "0"}
     kw = dict(path=ledger, slots=1, wait_s=30, lock_dir=str(tmp_path / "locks"))
     holding = threading.Event()
@@ -161,11 +160,9 @@ def test_a_priority_start_takes_the_next_free_slot_before_waiting_starts(tmp_pat
     """A long pole's start (priority) queued behind a full GPU gets the slot that frees next, though a
     plain start was waiting longer; while one is queued no plain start takes a slot, even a free one; a
     queue file whose process is gone holds nobody back and is cleared."""
-    import threading
-
     env, d = {"CUDA_VISIBLE_DEVICES": "0"}, str(tmp_path / "locks")
     kw = dict(slots=1, wait_s=30, lock_dir=d)
-    order, release = [], threading.Event()
+    order = []
 
     def start(name, priority):
         with slots.start_slot(env, priority=priority, **kw):
@@ -207,8 +204,6 @@ def test_first_start_of_a_model_builds_alone_and_others_go_on(tmp_path, monkeypa
     """Until one start of a model's kernels is healthy on a GPU, its other starts wait at the gate holding
     no slot; another model's start takes the free slot meanwhile. A failed first start leaves the model
     cold (the next start builds); once warm, starts pass the gate at once. The gate's wait is bounded."""
-    import threading
-
     monkeypatch.delenv("SGLANG_CP_GPU_FIRST_START_GATE", raising=False)
     ledger, env = str(tmp_path / "starts.jsonl"), {"CUDA_VISIBLE_DEVICES": "0"}
     kw = dict(path=ledger, slots=2, wait_s=30, lock_dir=str(tmp_path / "locks"))
@@ -269,8 +264,6 @@ def test_waiters_at_the_gate_start_together_once_the_model_is_warm(tmp_path, mon
     """Once the first start has built a model's kernels, the starts that waited for it go on at once and
     side by side (one slot each), not one after another through the gate: a waiter that held the gate for
     its own warm start queued the next behind it (169 + 78 + 43 s on the H200)."""
-    import threading
-
     monkeypatch.delenv("SGLANG_CP_GPU_FIRST_START_GATE", raising=False)
     env = {"CUDA_VISIBLE_DEVICES": "0"}
     kw = dict(path=str(tmp_path / "starts.jsonl"), slots=3, wait_s=30, lock_dir=str(tmp_path / "locks"))
