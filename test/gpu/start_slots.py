@@ -227,6 +227,12 @@ def start_table(starts: list, slowest: int = 3) -> str:
         ok = [e["start_s"] for e in es if e["ok"]]
         lines.append(f"{gpu:>4} {len(es):>6} {sum(not e['ok'] for e in es):>6} {sec(percentile(waits, 50), 8)} "
                      f"{sec(max(waits), 8)} {sec(percentile(ok, 50), 9)} {sec(max(ok, default=None), 9)}")
+    # The first start of each kernels key: a cold build (minutes on a fresh machine) or, with the JIT caches
+    # kept, a warm start; this line says which a run had, and so whether a call's bound was the layout's.
+    firsts = [e for e in starts if e.get("first")]
+    if firsts:
+        lines.append("first starts (built kernels): " + "; ".join(
+            f"{e.get('kernels')} {e['start_s']:.0f} s{'' if e['ok'] else ' FAILED'}" for e in firsts))
     worst = sorted(starts, key=lambda e: -(e["wait_s"] + e["start_s"]))[:slowest]
     lines.append("slowest (wait + start): " + "; ".join(
         f"{e['test']} [{e['tag']}] {e['wait_s']:.0f} + {e['start_s']:.0f} s"

@@ -152,8 +152,20 @@ def test_start_ledger_records_each_start_its_slot_wait_and_failures(tmp_path):
     row = table.splitlines()[2].split()
     assert row[:3] == ["0", "2", "1"], table  # gpu, starts, failed
     assert "[second]" in table and "FAILED" in table
+    assert "first starts" not in table  # no gate in these starts: nothing built
     assert slots.start_table([]) == "" and slots.read_starts(str(tmp_path / "none.jsonl")) == []
     slots.record_start({"x": 1}, path="")  # no ledger: nothing written, no error
+
+
+def test_start_table_names_each_kernels_first_start_and_its_time():
+    """The table says what the first start of each kernels key took (a cold build or a warm start), the
+    figure that told a cold JIT build from a slow layout in the fifteenth run's call A."""
+    base = {"gpu": "0", "gate_s": 0.0, "wait_s": 0.0, "slot": 0, "priority": False, "test": "t.py::x"}
+    starts = [dict(base, tag="clear", kernels="tiny-glm5-dsa-dsa", first=True, ok=True, start_s=235.3),
+              dict(base, tag="l2", kernels="tiny-dsv3-triton", first=True, ok=False, start_s=159.5),
+              dict(base, tag="load", kernels="tiny-glm5-dsa-dsa", first=False, ok=True, start_s=57.6)]
+    line = [ln for ln in slots.start_table(starts).splitlines() if ln.startswith("first starts")]
+    assert line == ["first starts (built kernels): tiny-glm5-dsa-dsa 235 s; tiny-dsv3-triton 160 s FAILED"]
 
 
 def test_a_priority_start_takes_the_next_free_slot_before_waiting_starts(tmp_path):
