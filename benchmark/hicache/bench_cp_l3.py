@@ -207,7 +207,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         recording = contextlib.nullcontext()
         if profile and backend == "cp_l3":
             # CPU samples only, at 199 Hz: on a host with few cores py-spy would otherwise take the cores
-            # the read needs (docs_internal/bench_results.md, section 17)
+            # the read needs (docs_internal/figures.md, "Upstream's storage path")
             recording = pyspy_profile.Recorder(os.getpid(), f"{profile}-rank{rank}.txt", rate=199, idle=False)
         _hit, _done, whi = r.prefetch(warm_tokens, rid="warm-up", timeout=600)
         if whi is not None:

@@ -15,7 +15,7 @@ and per slab slot (docs_internal/cachebench.md has the table and the exit codes)
   size is not a positive multiple of 4096, or it is not a regular file). It is skipped, never
   read; entries naming its rank and payload are judged against the real slabs only.
 
-A live directory (issue 27): a store that writes while fsck reads frees and rewrites slots under it,
+A live directory: a store that writes while fsck reads frees and rewrites slots under it,
 so entries read from the index snapshot turn ``dangling`` or even ``crc`` by the time their slot is
 read. ``live_owners`` names the ranks whose lock (``ownership.py``) a live store holds; the CLI refuses
 to check such a directory unless ``--live``, and then ``confirm_live`` keeps a problem only if its
