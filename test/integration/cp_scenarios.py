@@ -155,7 +155,7 @@ def identity_probe(rank, world, rendezvous, l3_config, n_pages, write, model_nam
         r.close()
 
 
-def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages):
+def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages, host_pages=64):
     """Count gloo all_reduce calls per thread: while idle, and for one prefetch."""
     import collections
     import threading
@@ -170,7 +170,7 @@ def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages):
         counts[threading.current_thread().name.split("-")[0]] += 1
         return orig(*a, **k)
     dist.all_reduce = counting
-    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, host_pages=host_pages)
     # The store's hit queries (exists_*), to check one per query whatever the sharding.
     store = r.backend.store
     queries = collections.Counter()
