@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
-from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme  # noqa: E402
+from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme  # noqa: E402
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
 from sglang_cp.l3.blob import key_digests, payload_tag  # noqa: E402

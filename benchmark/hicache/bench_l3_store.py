@@ -45,7 +45,7 @@ from rich.markup import escape  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # noqa: E402  (the backend's write bound)
+from sglang_cp.integration.cp_l3.backend import WRITE_TIMEOUT_S  # noqa: E402  (the backend's write bound)
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
 

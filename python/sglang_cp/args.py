@@ -1,6 +1,6 @@
 """sglang-cp's command-line flags: names, defaults, help and validation, in one place.
 
-The flags are added to SGLang's own parser (see ``integration/server_args_cli.py``) as
+The flags are added to SGLang's own parser (see ``integration/server_args/cli.py``) as
 their own argument group, copied onto the ``ServerArgs`` record as plain attributes
 (they survive pickling into the scheduler, detokenizer and DP-controller processes), and
 validated before any model loads. Every flag defaults to off; with none given, the

@@ -124,7 +124,7 @@ def check_l3_where_it_will_run(server_args) -> None:
     slab files that do not fit on their disk."""
     from sglang_cp import args as cp_args
     from sglang_cp.doctor import space_problems
-    from sglang_cp.integration.l3_backend_select import check_no_live_owner
+    from sglang_cp.integration.cp_l3.backend_select import check_no_live_owner
 
     check_no_live_owner(server_args)
     f = cp_args.flags_of(server_args)

@@ -155,7 +155,7 @@ def identity_probe(rank, world, rendezvous, l3_config, n_pages, write, model_nam
         r.close()
 
 
-def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages):
+def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages, host_pages=64):
     """Count gloo all_reduce calls per thread: while idle, and for one prefetch."""
     import collections
     import threading
@@ -170,7 +170,7 @@ def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages):
         counts[threading.current_thread().name.split("-")[0]] += 1
         return orig(*a, **k)
     dist.all_reduce = counting
-    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, host_pages=host_pages)
     # The store's hit queries (exists_*), to check one per query whatever the sharding.
     store = r.backend.store
     queries = collections.Counter()
@@ -203,7 +203,7 @@ def count_collectives(rank, world, rendezvous, l3_config, sharded, n_pages):
 
 def placement_assert(rank, world, rendezvous, l3_config, n_pages, diverge):
     """--cp-hicache-placement-assert: agreeing ranks pass; a diverged phase raises on all ranks."""
-    from sglang_cp.integration.l3_prefetch_agreement import PlacementMismatch
+    from sglang_cp.integration.cp_l3.prefetch import PlacementMismatch, plan_of
 
     r = Rank(rank, world, rendezvous, l3_config, sharded=True, extra_args=("--cp-hicache-placement-assert",))
     try:
@@ -217,7 +217,8 @@ def placement_assert(rank, world, rendezvous, l3_config, n_pages, diverge):
             orig = r.cc.allocate_storage_hit
 
             def skewed(op, *a, **k):  # simulate a rank-local bug: a different phase on rank 1
-                op._cp_l3_start_owner = (op._cp_l3_start_owner + 1) % world
+                plan = plan_of(op)
+                plan.start_owner = (plan.start_owner + 1) % world
                 return orig(op, *a, **k)
             r.cc.allocate_storage_hit = skewed
         try:
@@ -231,22 +232,22 @@ def placement_assert(rank, world, rendezvous, l3_config, n_pages, diverge):
 
 def forced_phase_probe(rank, world, rendezvous, l3_config, n_pages, write_phase, anchor_phase):
     """Prefetch as the radix cache would under an anchor whose chain fixes the phase."""
-    from sglang_cp.integration import l3_prefetch_rotation as rot
+    from sglang_cp.integration.cp_l3.plan import AnchorNote
+    from sglang_cp.integration.cp_l3.plan import RESTORE
 
     r = Rank(rank, world, rendezvous, l3_config, sharded=True)
     try:
         tokens = tokens_for(n_pages, seed=8)
+        anchor = "a5" * 32  # the span continues an anchor chain whose last page hash is this
         hi = r.alloc_host(n_pages * PAGE, start_owner=write_phase)
         r.fill(hi, n_pages)
-        r.backup(tokens, hi)
+        r.backup(tokens, hi, prior_hash=anchor)
         r.group.free(hi)
         r.zero_host()
         r.dist.barrier()
-        rot._tls.forced = anchor_phase  # what prefetch_from_storage_around derives from the anchor
-        try:
-            hit, completed, hi2 = r.prefetch(tokens)
-        finally:
-            rot._tls.forced = None
+        # What the tree core's anchor query notes right before upstream creates the operation.
+        RESTORE.anchors.write(AnchorNote(last_hash=anchor, phase=anchor_phase))
+        hit, completed, hi2 = r.prefetch(tokens, last_hash=anchor)
         owners = [r.owner_of_page_start(int(hi2[i * PAGE])) for i in range(len(hi2) // PAGE)] if hi2 is not None else []
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         return {"rank": rank, "hit": hit, "completed": completed, "owners": owners, "checked": checked,

@@ -94,6 +94,20 @@ def test_agreement_rides_upstreams_collectives(l3cfg):
         assert a["index_queries"] == b["index_queries"] > 0
 
 
+def test_one_completion_agreement_per_prefetch_whatever_its_length(disk_tmp):
+    """Upstream reads a prefetch 128 pages at a time and MIN-reduces every batch's count; our restore
+    reads the whole prefetch at once and hands upstream one count, so a 260-page prefetch (three of
+    upstream's batches) runs as many collectives as a 5-page one: the hit query's MIN (with the phase
+    vector riding it) and one completion MIN."""
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.25)
+    short = run_ranks(2, count_collectives, (cfg, True, 5, 600))
+    long = run_ranks(2, count_collectives, (cfg, True, 260, 600))
+    for s, g in zip(short, long):
+        assert s["hit"] == 5 * PAGE and g["hit"] == 260 * PAGE
+        assert s["completed"] == 5 * PAGE and g["completed"] == 260 * PAGE
+        assert g["prefetch"] == s["prefetch"] == 2, (s, g)
+
+
 def test_sidecars_go_with_target_kv(l3cfg):
     """DSA indexer-K and draft KV ride the v2 PoolTransfer API with the target KV; a
     logical page is a hit only when every payload of it is durable on its owner."""

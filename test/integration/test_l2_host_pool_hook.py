@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from sglang_cp.integration import host_pool_allocator as hook
+from sglang_cp.integration.l2 import host_pool as hook
 from sglang_cp.l2.transfer_split import SlabSplitter
 
 NR = "/proc/sys/vm/nr_hugepages"

@@ -27,7 +27,7 @@ def hung_disk(rank, world, rendezvous, l3_config, n_pages):
     import threading
     import time
 
-    import sglang_cp.integration.l3_storage_backend as backend_mod
+    import sglang_cp.integration.cp_l3.backend as backend_mod
     import sglang_cp.l3.store as store_mod
     from cp_harness import Rank
     from cp_scenarios import tokens_for

@@ -25,7 +25,7 @@ CODE = textwrap.dedent(
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.entrypoints.engine import _calculate_rank_ranges
-    from sglang_cp.integration.l3_identity import derive_identity, runtime_topology, node_rank_ranges
+    from sglang_cp.integration.cp_l3.identity import derive_identity, runtime_topology, node_rank_ranges
 
     cfg, what = sys.argv[1], sys.argv[2]
 
@@ -70,7 +70,7 @@ CODE = textwrap.dedent(
                     ranges_match=[list(up[0]), list(up[1])] == [list(r) for r in ours])))
     else:
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-        from sglang_cp.integration.l3_storage_backend import CpL3Storage
+        from sglang_cp.integration.cp_l3.backend import CpL3Storage
         sa, extra = server([])
         spawn(sa, 0, None)
         tokens = torch.arange(64, dtype=torch.int64)

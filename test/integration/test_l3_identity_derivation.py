@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang_cp.integration.l3_identity import Topology, derive_identity
+from sglang_cp.integration.cp_l3.identity import Topology, derive_identity
 from sglang_cp.l3.errors import L3InvariantError
 
 

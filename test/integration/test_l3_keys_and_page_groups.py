@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme
-from sglang_cp.integration.page_groups import PageGroupError, validate_page_aligned
+from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme
+from sglang_cp.integration.cp_l3.page_groups import PageGroupError, validate_page_aligned
 
 BASE = KeyIdentity(model="glm-5", dtype="torch.float8_e4m3fn", page_size=64, layout="page_first",
                    rank_replicated=True, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, cp_size=4,

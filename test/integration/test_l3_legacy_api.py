@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang_cp.integration.l3_storage_backend import CpL3Storage
+from sglang_cp.integration.cp_l3.backend import CpL3Storage
 
 
 def _storage_config(extra):

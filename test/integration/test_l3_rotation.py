@@ -6,15 +6,15 @@ from suite_helpers import run_py
 from cp_harness import PAGE, run_ranks
 from cp_scenarios import forced_phase_probe
 from sglang_cp.cli import write_demo_config
-from sglang_cp.integration.l3_prefetch_rotation import forced_phase, stamp_base
+from sglang_cp.integration.cp_l3.plan import continuation_phase, rotation_base
 
 
 def test_phase_arithmetic():
     # anchor starting at owner 3 and 6 pages long on N=4: the next page is owned by (3+6)%4 = 1
-    assert forced_phase(3, 6, 4) == 1
-    assert forced_phase(None, 6, 4) is None
+    assert continuation_phase(3, 6, 4) == 1
+    assert continuation_phase(None, 6, 4) is None
     # stamping inverts it: a node starting at page 6 with first owner 1 has base 3
-    assert stamp_base(1, 6 * 64, 64, 4) == 3
+    assert rotation_base(1, 6, 4) == 3
 
 
 def test_anchor_phase_decides_what_is_reloaded(disk_tmp):
@@ -41,7 +41,7 @@ STAMP = textwrap.dedent(
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.runtime_context import get_context
-    from sglang_cp.integration import l3_prefetch_rotation as rot
+    from sglang_cp.integration.cp_l3.plan import RESTORE
     PS = 4
     with get_context().override_server_args():
         alloc = PageInterleavePoolAllocator(size=PS * 32, physical_page_size=PS, shard_size=2,
@@ -53,21 +53,20 @@ STAMP = textwrap.dedent(
         root = tc.root_node.id
         plain = tc.insert_host(root, RadixKey(list(range(100, 100 + 2 * PS))), torch.arange(2 * PS), ["p", "q"])
         print("PLAIN", tc.node_by_id(plain.inserted_host_node).rotation_base)
-        rot.set_shard_size(2)
-        # What the prefetch allocation records: a bounce whose first page (position 0,
-        # root anchor) is owned by rank 1.
-        host = torch.arange(3 * PS)
-        rot.remember_stamp(host, start_owner=1, storage_start_tokens=0, page_size=PS, shard_size=2)
+        RESTORE.shard_size = 2  # what our backend's attach under 2-way sharding sets
+        # A prefetched bounce whose first page (position 0, root anchor) is owned by rank 1:
+        # logical host pages 1, 2, 3 (owner of page h is h % 2).
+        host = torch.arange(PS, 4 * PS)
         res = tc.insert_host(root, RadixKey(list(range(3 * PS))), host, ["a", "b", "c"])
         node = tc.node_by_id(res.inserted_host_node)
         print("STAMPED", node.rotation_base, tc.rotation_phase_of(node.id))
         # The anchor's phase fixes the next prefetch: after a 3-page chain at phase 1 the
         # next page belongs to (1 + 3) % 2 = 0.
         tc.prefetch_anchor_info(node.id)
-        print("FORCED", rot._tls.forced)
-        # A span whose agreed phase contradicts the anchor's rotation is dropped (a miss).
-        host2 = torch.arange(100 * PS, 102 * PS)
-        rot.remember_stamp(host2, start_owner=1, storage_start_tokens=3 * PS, page_size=PS, shard_size=2)
+        print("FORCED", RESTORE.anchors.take(tc.get_last_hash_value(node.id)))
+        # A span whose owners contradict the anchor's rotation is dropped (a miss): pages 101, 102
+        # start at owner 1 at position 3, base (1 - 3) % 2 = 0, while the anchor's base is 1.
+        host2 = torch.arange(101 * PS, 103 * PS)
         res2 = tc.insert_host(node.id, RadixKey(list(range(3 * PS, 5 * PS))), host2, ["d", "e"])
         print("DROPPED", res2.host_insert_dropped, res2.inserted_host_node)
     """

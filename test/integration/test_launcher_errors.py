@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The launcher as a module, with one hook module made unimportable first (as a broken install is).
 BROKEN = """
 import runpy, sys
-sys.modules["sglang_cp.integration.l3_storage_backend"] = None
+sys.modules["sglang_cp.integration.cp_l3.backend"] = None
 sys.argv = ["sglang.launch_server"] + sys.argv[1:]
 runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 """
@@ -96,7 +96,7 @@ def test_failed_registration_names_the_cause_not_unrecognized_arguments(runs):
     assert "unrecognized arguments" not in p.stderr
     line = error_lines(p)[-1]
     assert line.startswith("sglang serve: error: --enable-cp-l3: the sglang-cp plugin is installed but failed "
-                           "to register") and "sglang_cp.integration.l3_storage_backend" in line, p.stderr
+                           "to register") and "sglang_cp.integration.cp_l3.backend" in line, p.stderr
 
 
 def test_failed_registration_leaves_a_command_line_without_our_flags_alone(runs):

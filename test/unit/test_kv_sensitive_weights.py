@@ -25,7 +25,7 @@ hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 
 PROBE = ("import sglang.srt.model_loader.loader as L, sglang.srt.speculative.base_spec_worker as B; "
-         "import sglang_cp.integration.l3_storage_backend as S; "
+         "import sglang_cp.integration.cp_l3.backend as S; "
          "print(L.initialize_dummy_weights.__qualname__, B.BaseSpecWorker._build_hicache_draft_plan.__name__, "
          "S.CpL3Storage._get.__qualname__)")
 

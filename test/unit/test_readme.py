@@ -89,7 +89,7 @@ def test_the_gpu_launch_lines_are_the_example_scripts():
 
 def test_the_quoted_startup_line_is_the_plugins():
     """The line's format string in l3_storage_backend.py, filled as one GPU fills it."""
-    from sglang_cp.integration.l3_identity import L3Identity
+    from sglang_cp.integration.cp_l3.identity import L3Identity
 
     src = _read("python", "sglang_cp", "integration", "l3_storage_backend.py")
     fmt = re.search(r'logger\.info\("(sglang-cp L3 backend ready: [^"]*)"', src).group(1)

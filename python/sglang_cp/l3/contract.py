@@ -26,6 +26,10 @@ Primitives (the data path fails soft: a device or index error is a miss / a Fals
   read_pages(payload, keys, outs, timeout) -> [bool]
              read, verify (header identity, payload CRC) and copy into `outs`; False: a miss (absent,
              damaged, late). A read that completes after the return never touches `outs`.
+  start_read_pages(...) -> PendingRead, finish_read_pages(pending) -> [bool]
+             read_pages in two halves (look up and put on the device, then wait), so a caller restoring
+             several payloads or batches keeps the device queue deep; `outs` are the caller's only once
+             finish returns.
   exists_prefix(payload, keys, key_prefix) -> int,  exists_prefix_multi(payloads, ...) -> int,
   exists_each(payloads, keys, classes, key_prefix) -> [bool]
              the hit query, from memory (no I/O): the length of the held prefix, or per key whether its
@@ -57,6 +61,14 @@ class PendingWrite:
     deadline: Optional[float]
 
 
+@dataclass(frozen=True)
+class PendingRead:
+    """A read_pages call between start_read_pages and finish_read_pages (opaque to callers)."""
+    op: OpState
+    deadline: Optional[float]
+    started_ns: int
+
+
 class PageStore(ABC):
     @abstractmethod
     def write_pages(self, payload: str, keys: list[bytes], pages: list,
@@ -72,6 +84,13 @@ class PageStore(ABC):
     @abstractmethod
     def read_pages(self, payload: str, keys: list[bytes], outs: list,
                    timeout: Optional[float] = None) -> list[bool]: ...
+
+    @abstractmethod
+    def start_read_pages(self, payload: str, keys: list[bytes], outs: list,
+                         timeout: Optional[float] = None) -> PendingRead: ...
+
+    @abstractmethod
+    def finish_read_pages(self, pending: PendingRead) -> list[bool]: ...
 
     @abstractmethod
     def exists_prefix(self, payload: str, keys: list, key_prefix: bytes = b"") -> int: ...

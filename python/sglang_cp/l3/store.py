@@ -18,7 +18,7 @@ from typing import Optional
 
 from .acks import Ack, OpState
 from .config import L3Config
-from .contract import PageStore, PendingWrite
+from .contract import PageStore, PendingRead, PendingWrite
 from .disk_slab import FaultInjector
 from .hits import HitQuery
 from .index import index_key
@@ -115,19 +115,33 @@ class L3Store(PageStore):
         """Read, verify and wait. With a timeout it returns within it whatever the device does: a page
         not read in time is a miss. Reads land in the store's own memory and are copied into `outs`
         only once verified, so a read that completes late never touches `outs`."""
+        return self.finish_read_pages(self.start_read_pages(payload, keys, outs, timeout))
+
+    def start_read_pages(self, payload: str, keys: list[bytes], outs: list,
+                         timeout: Optional[float] = None) -> PendingRead:
+        """read_pages' first half: look the pages up and put their reads on the device, then return
+        (it blocks only while the store's read window is full); finish_read_pages(pending) waits. A
+        caller restoring several payloads or batches starts them all, then finishes them in turn, so
+        the device sees one deep queue instead of one batch at a time. `outs` are written only by
+        finish_read_pages' copies and by reads that complete before it returns; the timeout counts
+        from this call."""
         t0 = time.perf_counter_ns()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return PendingRead(self.reads.submit(payload, keys, outs, True, deadline), deadline, t0)
+
+    def finish_read_pages(self, pending: PendingRead) -> list[bool]:
+        """Wait for a started read as read_pages does, within its deadline; per page True if read."""
+        op, deadline = pending.op, pending.deadline
         try:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            op = self.reads.submit(payload, keys, outs, True, deadline)
             if not op.done.wait(_left(deadline)):
                 self._timed_out(op, "read_timeouts")
             op.cancel_and_quiesce()  # waits only for copies into `outs` under way (memory, never the disk)
             self.state.raise_fatal()
             return op.final()
         finally:
-            # read_ns / read_calls: the wall time of the whole call (index lookup, reads, checks, copy-out),
-            # which a restore's time splits into against upstream's own work around it
-            spent = time.perf_counter_ns() - t0
+            # read_ns / read_calls: the wall time from start to finish (index lookup, reads, checks,
+            # copy-out), which a restore's time splits into against upstream's own work around it
+            spent = time.perf_counter_ns() - pending.started_ns
             with self.state.lock:
                 self.state.counters["read_calls"] += 1
                 self.state.counters["read_ns"] += spent

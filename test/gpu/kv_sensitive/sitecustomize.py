@@ -45,7 +45,7 @@ import sys
 
 _LOADER = "sglang.srt.model_loader.loader"
 _SPEC = "sglang.srt.speculative.base_spec_worker"
-_BACKEND = "sglang_cp.integration.l3_storage_backend"
+_BACKEND = "sglang_cp.integration.cp_l3.backend"
 GAIN = float(os.environ.get("SGLANG_CP_TEST_KV_GAIN", "3"))
 EMBED_RMS = 1e-3 / 3 ** 0.5  # RMS of U(-1e-3, 1e-3): the draft's pass-through keeps the embedding's scale
 VALUE_DIMS = 256

@@ -17,11 +17,11 @@ import traceback
 
 # Only this issue's seed ports: other areas' hooks are not part of these scenarios.
 SEED_HOOK_MODULES = (
-    "sglang_cp.integration.seed_dsa_indexer_page_groups",
-    "sglang_cp.integration.seed_host_page_buffer_meta",
-    "sglang_cp.integration.seed_cuda_graph_buffer_log",
-    "sglang_cp.integration.seed_hicache_move_page_groups",
-    "sglang_cp.integration.seed_mla_direct_copy_page_groups",
+    "sglang_cp.integration.compute.dsa_indexer_page_groups",
+    "sglang_cp.integration.compute.host_page_buffer_meta",
+    "sglang_cp.integration.compute.cuda_graph_buffer_log",
+    "sglang_cp.integration.compute.move_page_groups",
+    "sglang_cp.integration.compute.mla_direct_copy_page_groups",
 )
 
 

@@ -32,12 +32,12 @@ def test_candidate_targets_resolve_and_are_documented(name):
 def test_every_seed_module_in_the_package_is_covered_by_red_green():
     import sglang_cp.integration as integ
 
-    on_disk = {n for n in integ.hook_modules() if n.rsplit(".", 1)[1].startswith("seed_")}
+    on_disk = {n for n in integ.hook_modules() if n.startswith("sglang_cp.integration.compute.")}
     assert on_disk == set(SEED_HOOK_MODULES)
 
 
 def test_cuda_graph_hooks_register_only_when_the_env_gate_is_set(monkeypatch):
-    import sglang_cp.integration.seed_cuda_graph_buffer_log as mod
+    import sglang_cp.integration.compute.cuda_graph_buffer_log as mod
 
     monkeypatch.delenv("SGLANG_CP_LOG_CG_BUFFERS", raising=False)
     assert importlib.reload(mod).HOOKS == ()

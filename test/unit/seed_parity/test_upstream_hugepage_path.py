@@ -2,7 +2,7 @@
 
 1. ``SGLANG_HUGEPAGE_SIZE`` (upstream's switch): the real ``alloc_mmap`` falls back
    to 4 KiB pages when the hugetlb mmap fails or the value is misspelt, and only
-   logs. ``SGLANG_CP_HUGEPAGE_STRICT=1`` (integration/upstream_hugepage_strict.py)
+   logs. ``SGLANG_CP_HUGEPAGE_STRICT=1`` (integration/l2/hugepage_strict.py)
    makes it one startup error naming the variable and the fix; default off =
    upstream. The hugetlb failure is real: the 1 GiB pool of the test machine is
    checked to be empty first (the premise), so the kernel itself refuses the mmap.
@@ -32,7 +32,7 @@ import json, os, sys, logging
 logging.disable(logging.CRITICAL)
 if sys.argv[1] == "on":
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang_cp.integration import upstream_hugepage_strict as mod
+    from sglang_cp.integration.l2 import hugepage_strict as mod
     for spec in mod.HOOKS:
         HookRegistry.register(spec.target, spec.fn, HookType[spec.kind.upper()])
     HookRegistry.apply_hooks()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 import torch
@@ -42,10 +43,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
-from sglang_cp.integration.l3_identity import derive_identity, runtime_topology
-from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme
-from sglang_cp.integration.l3_storage_config import DTYPES_KEY
-from sglang_cp.integration.page_groups import validate_page_aligned
+from sglang_cp.integration.cp_l3.identity import derive_identity, runtime_topology
+from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme
+from sglang_cp.integration.cp_l3.config import DTYPES_KEY
+from sglang_cp.integration.cp_l3.page_groups import validate_page_aligned
+from sglang_cp.integration.cp_l3.plan import RESTORE, PrefetchPlan, held_prefix_per_phase
 from sglang_cp.l3.errors import L3StartupError
 from sglang_cp.l3.ratelog import RateLimitedLog
 from sglang_cp.l3.recovery import DEFAULT_COLD_START
@@ -76,17 +78,41 @@ TRAILING_POOLS = frozenset(n.value for n in (
 READ_TIMEOUT_S = 60.0
 WRITE_TIMEOUT_S = 60.0
 
-# Per storage-thread scratch: the phase vector of the last hit query (read by the
-# agreement hook on the same thread) -- see l3_prefetch_agreement.
-_tls = threading.local()
 
 
-def last_phase_vector() -> Optional[list[int]]:
-    return getattr(_tls, "phase_vector", None)
+@dataclass
+class OpenQuery:
+    """A hit query in progress on upstream's prefetch thread (``prefetch.storage_hit_query_around``):
+    the plan our per-phase answers go into, and how many pages earlier calls of it covered."""
+    thread: int
+    plan: PrefetchPlan
+    queried_pages: int = 0
 
 
-def clear_phase_vector() -> None:
-    _tls.phase_vector = None
+@dataclass
+class OpenBackup:
+    """An upstream backup operation in progress on its backup thread (``backup.page_backup_around``,
+    under ``durability.backup_ack = "operation"``): the writes it staged, each with the operation page
+    of its call's first key, and how many pages its calls covered so far."""
+    thread: int
+    writes: list = field(default_factory=list)  # (first page, [(key i, host row)], PendingWrite)
+    pages: int = 0
+
+
+@dataclass
+class PayloadRead:
+    """One payload's reads of one restore, between start and finish."""
+    payload: str
+    n_keys: int
+    mine: list  # [(page i, local host row)] of this rank's pages
+    copies: list  # per read page: a bounce tensor to copy into the pool, or None (read in place)
+    pending: Any  # l3.contract.PendingRead
+
+
+@dataclass
+class RestoreReads:
+    """Every payload's reads of one prefetch, started at once (``start_restore``)."""
+    reads: list  # [PayloadRead]
 
 
 class CpL3Storage(HiCacheStorage):
@@ -120,6 +146,10 @@ class CpL3Storage(HiCacheStorage):
         self._metrics = None
         self.identity = None
         self.unsupported_queries = 0  # hit queries naming a pool policy we do not store (each a miss)
+        self.open_query: Optional[OpenQuery] = None  # set by the prefetch hook around one hit query
+        self.open_backup: Optional[OpenBackup] = None  # set by the backup hook around one operation
+        self.query_ride = None  # prefetch.QueryRide: our vector on upstream's hit-count MIN, for one call
+        self.placement_assert_groups = None  # gloo groups of --cp-hicache-placement-assert (debug)
         self._log = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ setup
@@ -138,7 +168,7 @@ class CpL3Storage(HiCacheStorage):
         from sglang_cp.args import load_config
         from sglang_cp.l3 import L3Store
 
-        trailing = sorted(_pool_key(n) for n in self.registered_pools if _pool_key(n) in TRAILING_POOLS)
+        trailing = sorted(pool_key(n) for n in self.registered_pools if pool_key(n) in TRAILING_POOLS)
         if trailing:
             raise L3StartupError(
                 f"--enable-cp-l3: this model has hybrid pools ({', '.join(trailing)}) whose pages upstream "
@@ -148,7 +178,7 @@ class CpL3Storage(HiCacheStorage):
                 "(e.g. --disable-hybrid-swa-memory)")
         payloads = {KV_PAYLOAD: self._page_bytes(self._native(self.mem_pool_host))}
         for name, pool in self.registered_pools.items():
-            pname = _pool_key(name)
+            pname = pool_key(name)
             if pname != KV_PAYLOAD:
                 payloads[pname] = self._page_bytes(pool)
         cfg = load_config(self.l3_config_path)
@@ -178,10 +208,7 @@ class CpL3Storage(HiCacheStorage):
             logical_dtypes=logical_dtypes,
         ))
         self.payloads = payloads
-        if self.sharded:
-            from sglang_cp.integration.l3_prefetch_rotation import set_shard_size
-
-            set_shard_size(self.shard_size)
+        RESTORE.attach(self, self.shard_size)  # the restore path's hooks act from here on (prefetch.py)
         self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
         logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s, backup ack %s",
                     self.identity.label(), self.shard_rank, self.shard_size, payloads,
@@ -238,10 +265,10 @@ class CpL3Storage(HiCacheStorage):
         return [(i, local[i]) for i in range(n_pages) if owners[i] == self.shard_rank]
 
     def _pool_for(self, name) -> Any:
-        if _pool_key(name) == KV_PAYLOAD:
+        if pool_key(name) == KV_PAYLOAD:
             return self._native(self.mem_pool_host)
         for key, pool in self.registered_pools.items():
-            if _pool_key(key) == _pool_key(name):
+            if pool_key(key) == pool_key(name):
                 return self._native(pool)
         raise KeyError(f"sglang-cp L3: no host pool registered for payload {name!r}")
 
@@ -268,12 +295,12 @@ class CpL3Storage(HiCacheStorage):
         # reads the index alone. "operation": inside an upstream backup operation (begin_backup, by
         # the l3_backup_operation hook) the call returns once its pages are staged, and end_backup
         # waits for all of them before upstream acks the operation. docs_internal/l3_write_ack.md.
-        ops = getattr(_tls, "backup", None)
-        if ops is not None:
-            base = _tls.backup_pages
-            _tls.backup_pages += len(keys)
-            ops.append((base, mine, self.store.start_write_pages(payload, store_keys, pages,
-                                                                 timeout=WRITE_TIMEOUT_S)))
+        backup = self.open_backup
+        if backup is not None and backup.thread == threading.get_ident():
+            base = backup.pages
+            backup.pages += len(keys)
+            backup.writes.append((base, mine, self.store.start_write_pages(payload, store_keys, pages,
+                                                                           timeout=WRITE_TIMEOUT_S)))
             return results  # provisional for our pages: end_backup reports the ones not stored
         ok = self.store.write_pages(payload, store_keys, pages, timeout=WRITE_TIMEOUT_S)
         for (i, _row), good in zip(mine, ok):
@@ -290,17 +317,18 @@ class CpL3Storage(HiCacheStorage):
         """Open an upstream backup operation on this (the backup) thread: until end_backup, each
         batch_set returns once its pages are staged, so the next batch is staged while this one is
         written, and no batch waits for its own fdatasync and index commit."""
-        if getattr(_tls, "backup", None) is not None:
-            raise RuntimeError("sglang-cp L3: begin_backup while a backup operation is open on this thread")
-        _tls.backup = []  # (operation page of the call's first key, [(key i, host row)], PendingWrite)
-        _tls.backup_pages = 0
+        if self.open_backup is not None:
+            raise RuntimeError("sglang-cp L3: begin_backup while a backup operation is open (upstream runs "
+                               "one backup operation at a time on its backup thread)")
+        self.open_backup = OpenBackup(thread=threading.get_ident())
 
     def end_backup(self) -> Optional[int]:
         """Close the open operation: wait for each of its writes within the write's own bound, then
         return the operation's first page that was not stored (None: every page is durable). Every
         write is waited for even if one raises, so no zero-copy write reads upstream's host pages
         after the operation's ack releases them."""
-        ops, _tls.backup = getattr(_tls, "backup", None) or [], None
+        backup, self.open_backup = self.open_backup, None
+        ops = backup.writes if backup is not None else []
         first_bad, error = None, None
         for base, mine, pending in ops:
             try:
@@ -316,10 +344,14 @@ class CpL3Storage(HiCacheStorage):
         return first_bad
 
     def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
-        results = [True] * len(keys)
+        return self._finish_get(self._start_get(payload, keys, host_indices))
+
+    def _start_get(self, payload: str, keys: List[str], host_indices) -> PayloadRead:
+        """Look this rank's pages up and put their reads on the device (into the host pool where a
+        page is contiguous there, else into a bounce); ``_finish_get`` waits and reports."""
         mine = self._pages(host_indices, len(keys))
         if not mine:
-            return results
+            return PayloadRead(payload, len(keys), [], [], None)
         pool = self._pool_for(payload)
         outs, copies = [], []
         for _i, row in mine:
@@ -332,19 +364,46 @@ class CpL3Storage(HiCacheStorage):
                 outs.append(_as_bytes_view(bounce))
                 copies.append(bounce)
         store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
-        ok = self.store.read_pages(payload, store_keys, outs, timeout=READ_TIMEOUT_S)
+        pending = self.store.start_read_pages(payload, store_keys, outs, timeout=READ_TIMEOUT_S)
+        return PayloadRead(payload, len(keys), mine, copies, pending)
+
+    def _finish_get(self, read: PayloadRead) -> List[bool]:
+        """Per key: True for this rank's pages read up to its first miss and for other ranks' pages
+        (theirs to report); nothing after this rank's first miss counts (prefix semantics)."""
+        results = [True] * read.n_keys
+        if not read.mine:
+            return results
+        pool = self._pool_for(read.payload)
+        ok = self.store.finish_read_pages(read.pending)
         first_miss = next((j for j, good in enumerate(ok) if not good), len(ok))
-        for j, ((i, row), good) in enumerate(zip(mine, ok)):
+        for j, ((i, row), good) in enumerate(zip(read.mine, ok)):
             results[i] = bool(good) and j < first_miss
-            if results[i] and copies[j] is not None:
-                pool.set_from_flat_data_page(row, copies[j])
+            if results[i] and read.copies[j] is not None:
+                pool.set_from_flat_data_page(row, read.copies[j])
         # No explicit touch: the store bumps every page it reads back (GC keeps hot pages).
-        # Prefix semantics: nothing after this rank's first miss counts.
-        if first_miss < len(mine):
-            cut = mine[first_miss][0]
+        if first_miss < len(read.mine):
+            cut = read.mine[first_miss][0]
             for i in range(cut, len(results)):
                 results[i] = False
         return results
+
+    # ------------------------------------------------------------------ whole-prefetch restore
+    def start_restore(self, keys: List[str], host_indices, payloads: List[str]) -> RestoreReads:
+        """Start the reads of a whole prefetch, every payload of every page at once, so the device
+        queue stays deep instead of draining at each of upstream's 128-page batches (``prefetch``'s
+        ``page_transfer_around``). The store bounds how many are in flight."""
+        return RestoreReads([self._start_get(p, keys, host_indices) for p in payloads])
+
+    def finish_restore(self, reads: RestoreReads) -> int:
+        """Wait for a started restore; the prefix (in pages) that every payload of it restored, as
+        this rank sees it: other ranks' pages count as present (the completion MIN answers for them),
+        and a page counts only with every payload of it (a KV page without its indexer-K is a miss)."""
+        done = None
+        for read in reads.reads:
+            got = self._finish_get(read)  # finish every payload, even past a miss: no read outlives us
+            prefix = next((i for i, ok in enumerate(got) if not ok), len(got))
+            done = prefix if done is None else min(done, prefix)
+        return done or 0
 
     # ------------------------------------------------------------------ existence
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -360,46 +419,48 @@ class CpL3Storage(HiCacheStorage):
                 self.unsupported_queries += 1
                 self._log.warning("unsupported_policy", "sglang-cp L3: pool %s asks for hit policy %s; only "
                                   "full-prefix pools are stored, so this query is a miss", t.name, t.hit_policy)
-                clear_phase_vector()
+                if self.sharded:
+                    self._fold_into_query(len(keys), [0] * self.shard_size)
                 return PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={})
-            payloads.append(_pool_key(t.name))
+            payloads.append(pool_key(t.name))
         hit = self._exists_prefix(payloads, keys)
         return PoolTransferResult(kv_hit_pages=hit,
-                                  extra_pool_hit_pages={_pool_key(t.name): hit for t in pool_transfers or []})
+                                  extra_pool_hit_pages={pool_key(t.name): hit for t in pool_transfers or []})
 
     def _exists_prefix(self, payloads: list[str], page_hashes: List[str]) -> int:
         if not page_hashes:
-            clear_phase_vector()
             return 0
         if not self.sharded:
-            clear_phase_vector()
             return self.store.exists_prefix_multi(payloads, page_hashes,  # str tails: the store encodes them
                                                   key_prefix=self.keys.prefix(self._owner_key_rank()))
-        # Under sharding which rank holds page i depends on the chain's rotation phase b
-        # (owner of page i = (b + i) % N), which only the allocator that wrote it knew. Each
-        # rank reports, for every candidate phase, how long a prefix its own stripe covers;
-        # the agreement hook reduces that vector with upstream's MIN and picks the phase.
-        n, N, r = len(page_hashes), self.shard_size, self.shard_rank
-        # One store query for all phases: page i falls in class i % N, and each phase's answer is
-        # one class's prefix (the store stops once every class has missed).
-        durable = self.store.exists_each(payloads, page_hashes, classes=N,
-                                         key_prefix=self.keys.prefix(self.shard_rank))
-        vector = []
-        for b in range(N):
-            first = (r - b) % N  # first page index this rank owns under phase b
-            mine = durable[first::N]  # this phase's pages of this rank: its first miss ends the prefix
-            vector.append(first + N * mine.index(False) if False in mine else n)
-        _tls.phase_vector = vector
+        # Under sharding which rank holds page i depends on the chain's rotation phase b (owner of
+        # page i = (b + i) % N), which only the allocator that wrote it knew. One store query answers
+        # every phase: page i falls in class i % N (the store stops once every class has missed);
+        # each phase's answer is how long a prefix this rank's own stripe covers. The prefetch hooks
+        # reduce that vector with upstream's MIN and pick the phase; upstream gets the best length.
+        held = self.store.exists_each(payloads, page_hashes, classes=self.shard_size,
+                                      key_prefix=self.keys.prefix(self.shard_rank))
+        vector = held_prefix_per_phase(held, self.shard_rank, self.shard_size)
+        self._fold_into_query(len(page_hashes), vector)
         return max(vector)
+
+    def _fold_into_query(self, n_pages: int, vector: list[int]) -> None:
+        """Give the per-phase answer of one hit-query call to the plan of the query open on this
+        thread (upstream's base controller asks in 128-page batches, the hybrid one at once)."""
+        q = self.open_query
+        if q is None or q.thread != threading.get_ident():
+            return  # not inside a prefetch's hit query (a direct call): nothing to agree on
+        q.plan.add_query_batch(q.queried_pages, n_pages, vector)
+        q.queried_pages += n_pages
 
     # ------------------------------------------------------------------ v2 (sidecars)
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return {_pool_key(t.name): self._set(_pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
+        return {pool_key(t.name): self._set(pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return {_pool_key(t.name): self._get(_pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
+        return {pool_key(t.name): self._get(pool_key(t.name), t.keys or [], t.host_indices) for t in transfers}
 
     # ------------------------------------------------------------------ legacy (non-v1) API
     # Refused. Upstream calls get/set/batch_get/batch_set only on its generic page path (a dynamic
@@ -433,6 +494,7 @@ class CpL3Storage(HiCacheStorage):
         return self.store.stats() if self.store is not None else None
 
     def close(self) -> None:
+        RESTORE.detach(self)
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
@@ -470,7 +532,7 @@ def _legacy_api(name: str) -> NotImplementedError:
         "--enable-cp-l3 selects)")
 
 
-def _pool_key(name) -> str:
+def pool_key(name) -> str:
     return name.value if isinstance(name, PoolName) else str(name)
 
 

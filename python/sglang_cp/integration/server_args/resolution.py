@@ -24,7 +24,7 @@ def validate_then_previous(server_args, previous):
         cp_args.validate(server_args)
         # Valid --enable-cp-l3: make our store the HiCache storage backend for every
         # later step (upstream's handle_hicache, the KV-sharding check, the controller).
-        from sglang_cp.integration.l3_backend_select import select_backend
+        from sglang_cp.integration.cp_l3.backend_select import select_backend
 
         select_backend(server_args)
     return previous(server_args)

@@ -27,7 +27,7 @@ from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 from sglang_cp import args as cp_args
 from sglang_cp.integration.hookspec import HookSpec
 
-BACKEND_MODULE = "sglang_cp.integration.l3_storage_backend"
+BACKEND_MODULE = "sglang_cp.integration.cp_l3.backend"
 BACKEND_CLASS = "CpL3Storage"
 
 

@@ -37,7 +37,7 @@ _CC = "sglang.srt.managers.cache_controller.HiCacheController"
 
 
 def _per_operation_backend(controller):
-    from sglang_cp.integration.l3_storage_backend import CpL3Storage
+    from sglang_cp.integration.cp_l3.backend import CpL3Storage
 
     backend = getattr(controller, "storage_backend", None)
     if isinstance(backend, CpL3Storage) and backend.backup_per_operation:
