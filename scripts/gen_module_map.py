@@ -121,8 +121,9 @@ def main() -> int:
             print("docs_internal/README.md's module map is stale: run python scripts/gen_module_map.py --write")
             return 1
         return 0
+    new = text.replace(old, block())  # built before the file is opened: an error leaves it as it was
     with open(ns.index, "w") as f:
-        f.write(text.replace(old, block()))
+        f.write(new)
     return 0
 
 

@@ -13,7 +13,7 @@ GLM-5 MLA rows, the DSA indexer and draft KV as sidecar pools).
 Where this backend differs by design, the test says so and asserts our behaviour:
 - MLA pages: upstream shares one copy across TP ranks (only TP rank 0 writes,
   ``HiCacheStorageConfig.is_storage_writer``); here every rank writes and reads its own replica, its
-  rank mixed into every key digest (``l3_prefetch_agreement``), so no rank ever reads another's bytes.
+  rank mixed into every key digest (``integration/cp_l3/keys.py``), so no rank ever reads another's bytes.
 - ``batch_get_v1`` after a miss: ``HiCacheFile`` answers per key; ours stops at the first miss (a page
   after a gap is never loaded: the prefix it extends is not there).
 - ``batch_exists_v2``'s ``extra_pool_hit_pages``: ``HiCacheFile`` reports each pool's own boundary; ours

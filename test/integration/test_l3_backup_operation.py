@@ -1,4 +1,4 @@
-"""durability.backup_ack = "operation" under upstream's own backup thread (l3_backup_operation hook).
+"""durability.backup_ack = "operation" under upstream's own backup thread (the integration/cp_l3/backup.py hook).
 
 One real rank process (cp_harness): upstream's ``HybridCacheController`` backs up one storage
 operation batch by batch through our backend, on real O_DIRECT slabs and a real LMDB index.

@@ -88,10 +88,10 @@ def test_the_gpu_launch_lines_are_the_example_scripts():
 
 
 def test_the_quoted_startup_line_is_the_plugins():
-    """The line's format string in l3_storage_backend.py, filled as one GPU fills it."""
+    """The line's format string in integration/cp_l3/backend.py, filled as one GPU fills it."""
     from sglang_cp.integration.cp_l3.identity import L3Identity
 
-    src = _read("python", "sglang_cp", "integration", "l3_storage_backend.py")
+    src = _read("python", "sglang_cp", "integration", "cp_l3", "backend.py")
     fmt = re.search(r'logger\.info\("(sglang-cp L3 backend ready: [^"]*)"', src).group(1)
     one_gpu = L3Identity(replica=0, pp_rank=0, tp_rank=0, attn_dp_rank=0, attn_cp_rank=0, attn_tp_rank=0,
                          node_rank=0, local_rank=0, local_count=1)
@@ -119,7 +119,7 @@ def test_the_response_fields_and_metrics_it_names_are_real():
     for key in ("device", "host", "storage", "storage_backend"):
         assert f"'{key}': " in gpu and f'"{key}"' in streamer, key
     assert "'storage_backend': 'CpL3Storage'" in gpu
-    assert "class CpL3Storage(" in _read("python", "sglang_cp", "integration", "l3_storage_backend.py")
+    assert "class CpL3Storage(" in _read("python", "sglang_cp", "integration", "cp_l3", "backend.py")
     named = set(re.findall(r"sglang:cp_l3_[a-z_]+", README))
     assert named and named <= set(metric_names()), named - set(metric_names())
 

@@ -293,7 +293,7 @@ class CpL3Storage(HiCacheStorage):
         # commit, the default) or "written" (in its slot and readable by this process; durable once
         # its group commit lands). Upstream only needs the page readable by this process; a restart
         # reads the index alone. "operation": inside an upstream backup operation (begin_backup, by
-        # the l3_backup_operation hook) the call returns once its pages are staged, and end_backup
+        # the backup.py hook) the call returns once its pages are staged, and end_backup
         # waits for all of them before upstream acks the operation. docs_internal/l3_write_ack.md.
         backup = self.open_backup
         if backup is not None and backup.thread == threading.get_ident():

@@ -8,7 +8,7 @@ on its pages. Nothing upstream looks at between two batches. With ``durability.b
 "durable"`` every batch waits for its own fdatasync and index commit, so each batch drains
 the rank's write pipeline before the next one is staged; at CP=4 a rank owns 32 pages of a
 128-key batch, and on the H200 host it kept 3.1 of 4 pwrites in flight (3.85 at CP=1/2) and
-spent 211 ms per backup in four index commits (docs_internal/bench_results.md, section 13).
+spent 211 ms per backup in four index commits (docs_internal/figures.md, "Upstream's storage path").
 Under ``backup_ack = "operation"`` this hook opens the operation on our backend before
 upstream's loop (each batch then returns once its pages are staged) and, after the loop,
 waits until every page is durable before the operation is acked: the ack still means
