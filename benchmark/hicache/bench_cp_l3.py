@@ -117,9 +117,10 @@ class PhaseProbes:
     @staticmethod
     def _read_probes(r, timed):
         """The prefetch's steps, upstream's and ours: the page hashes (upstream hashes every page of the
-        request on every rank), our hit query, every gloo MIN (the hit count after the query, each batch's
-        completed count on the sync thread), the host-pool allocation, upstream's per-batch get into our
-        backend and, inside it, the store's reads."""
+        request on every rank), our hit query, every gloo MIN (the hit count and phase vector after the
+        query, the prefetch's one completed count on the sync thread), the host-pool allocation, our
+        restore of the whole prefetch (every payload's reads started at once, then waited for) and,
+        inside it, the store's reads from start to finish."""
         from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as hcc
 
         timed(hcc, "get_storage_hash_str", "hash")  # a module function: _storage_hit_query looks it up there
@@ -127,8 +128,9 @@ class PhaseProbes:
         timed(r.backend, "batch_exists", "hit_query")
         timed(r.cc, "_all_reduce", "gloo_min")
         timed(r.cc, "allocate_storage_hit", "allocate")
-        timed(r.backend, "batch_get_v1", "batch_get")
-        timed(r.backend.store, "read_pages", "store_read")
+        timed(r.backend, "start_restore", "reads_started")
+        timed(r.backend, "finish_restore", "restore_wait")
+        timed(r.backend.store, "finish_read_pages", "store_read")
 
     def report(self, t0, t_ack, end="upstream_ack"):
         """Per phase: first start, last end (s after t0), busy sum and count; ``end``: the step that closes
@@ -465,7 +467,8 @@ def summarize(name, results):
 
 PHASE_ORDER = ("backend_set", "submit", "index_lookup", "crc_seal", "pwrite", "fdatasync", "lmdb_lock_wait",
                "index_commit", "upstream_ack")
-READ_PHASE_ORDER = ("hash", "hit_query", "gloo_min", "allocate", "batch_get", "store_read", "prefetch_done")
+READ_PHASE_ORDER = ("hash", "hit_query", "gloo_min", "allocate", "reads_started", "restore_wait", "store_read",
+                    "prefetch_done")
 
 
 def print_phases(console, summaries):
