@@ -4,7 +4,9 @@ A child process writes pages of two payloads under load (async submit, acks drai
 mixed in) and logs every key it saw acked DURABLE. The parent SIGKILLs it at a random point, reopens
 the store with cold_start="load" in this process and checks: every page acked DURABLE before the kill
 is recovered with exactly its bytes; no page is ever served with wrong bytes; no two index entries share
-a slot and the slot pool matches the index. The next child continues on the same files.
+a slot and the slot pool matches the index. The next child continues on the same files. With deletes on,
+the child also deletes about half of what each write_pages stored right after it returned, under each
+durability.backup_ack and read engine, and no page it saw deleted may be served after the restart.
 
 A SIGKILL keeps the page cache, so it cannot catch a missing flush. The power-loss runs preload a shim
 into the child (l3_powerloss.c) that journals every write to the slabs and to LMDB's data.mdb; after
@@ -37,6 +39,7 @@ CHILD = textwrap.dedent("""
     from test_l3_crash import content, make_config
     from sglang_cp.l3 import AckKind, L3Store
     root, gen, gc, cap = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", float(sys.argv[5])
+    ack, engine, deletes = sys.argv[6], sys.argv[7], sys.argv[8] == "1"
     red = os.environ.get("L3_CRASH_RED")  # RED runs: remove one flush, as a regression would
     if red == "slab":
         from sglang_cp.l3.disk_slab import DiskSlab
@@ -52,9 +55,11 @@ CHILD = textwrap.dedent("""
         st.write_cold_start_record = lambda *a: None
     else:
         assert red is None, red
-    s = L3Store(make_config(root, gc, cap), rank=0, ranks_per_node=1, payloads={"kv": 16384, "ix": 5000},
-                cold_start="load")
-    log = os.open(os.path.join(root, "acked.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    s = L3Store(make_config(root, gc, cap, ack, engine), rank=0, ranks_per_node=1,
+                payloads={"kv": 16384, "ix": 5000}, cold_start="load")
+    logs = {n: os.open(os.path.join(root, n + ".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            for n in ("acked", "written", "deleted")}
+    log = logs["acked"]
     rnd = random.Random(gen)
     arena = np.frombuffer(mmap.mmap(-1, 24 * 16384), np.uint8)
     aligned = [arena[j * 16384:(j + 1) * 16384] for j in range(24)]
@@ -72,7 +77,15 @@ CHILD = textwrap.dedent("""
                 for b, k in zip(bufs, ks):
                     b[:] = np.frombuffer(content(payload, k, size), np.uint8)
                 oks = s.write_pages(payload, ks, bufs)
-                os.write(log, b"".join(b"%s %s\\n" % (payload.encode(), k) for k, ok in zip(ks, oks) if ok))
+                kept = [k for k, ok in zip(ks, oks) if ok]
+                if deletes:  # drop some right away: under "written" their group commit is still pending
+                    gone = [k for k in kept if rnd.random() < 0.5]
+                    s.delete(payload, gone)
+                    os.write(logs["deleted"], b"".join(b"%s %s\\n" % (payload.encode(), k) for k in gone))
+                    kept = [k for k in kept if k not in gone]
+                # Under "written" a returned page is durable only once its commit lands: not an ack to check.
+                os.write(logs["written"] if ack == "written" else log,
+                         b"".join(b"%s %s\\n" % (payload.encode(), k) for k in kept))
                 continue
             op = s.submit_write(payload, ks, [content(payload, k, size) for k in ks])
             pending[op] = payload
@@ -102,20 +115,23 @@ def no_gc_capacity_gb(n_kills: int) -> float:
     return 1.0 if n_kills <= 20 else 4.0
 
 
-def make_config(root: str, gc: bool, no_gc_cap: float = 1.0):
+def make_config(root: str, gc: bool, no_gc_cap: float = 1.0, backup_ack: str = "durable",
+                read_engine: str = "python"):
     # Without GC pressure every acked page must survive; with it, pages may be reclaimed, never corrupted.
     cap = 0.004 if gc else no_gc_cap
     return parse_l3_config({
         "index": {"dir": os.path.join(root, "idx"), "map_size_gb": 0.004},
-        "durability": {"plp_policy": "ignore"},
-        "io": {"threads": 4, "max_inflight_pages": 32},
+        "durability": {"plp_policy": "ignore", "backup_ack": backup_ack},
+        "io": {"threads": 4, "max_inflight_pages": 32, "read_engine": read_engine},
         "disks": [{"name": "d0", "path": os.path.join(root, "d0"), "capacity_gb": cap}],
     })
 
 
-def read_acked(root):
+def read_acked(root, log="acked"):
+    """(payload, key) of each line of the child's log: "acked" (DURABLE), "written" (write_pages returned
+    under backup_ack "written", durable only once its commit landed) or "deleted" (delete returned)."""
     try:
-        with open(os.path.join(root, "acked.log"), "rb") as f:
+        with open(os.path.join(root, log + ".log"), "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         return set()
@@ -123,11 +139,15 @@ def read_acked(root):
     return {tuple(line.split(b" ", 1)) for line in lines}
 
 
-def check_store(root, gc, gens, full, rnd, cap=1.0):
-    """full: check every page ever acked; else this generation's acks + a sample of older ones."""
-    s = L3Store(make_config(root, gc, cap), rank=0, ranks_per_node=1, payloads=PAYLOADS, cold_start="load")
+def check_store(root, gc, gens, full, rnd, cap=1.0, backup_ack="durable", read_engine="python", deletes=False):
+    """full: check every page ever acked; else this generation's acks + a sample of older ones. Every page
+    the child deleted must stay a miss (the final check of a run with deletes opens with `verify`)."""
+    cold = "verify" if deletes and full else "load"
+    s = L3Store(make_config(root, gc, cap, backup_ack, read_engine), rank=0, ranks_per_node=1, payloads=PAYLOADS,
+                cold_start=cold)
     try:
         acked = read_acked(root)
+        deleted = read_acked(root, "deleted")
         if not full:
             mine = b"g%d-" % gens[-1]
             older = sorted(a for a in acked if not a[1].startswith(mine))
@@ -142,19 +162,22 @@ def check_store(root, gc, gens, full, rnd, cap=1.0):
                 # The premise of "every acked page survives" is that GC never ran: every page ever
                 # written (acked, plus at most one staging window in flight at each kill) stayed below
                 # the GC threshold. A faster writer breaks it silently, so check it first.
-                ever = sum(1 for pl, _ in read_acked(root) if pl == p.name.encode()) + 64 * len(gens)
+                ever = sum(1 for log in ("acked", "written") for pl, _ in read_acked(root, log)
+                           if pl == p.name.encode()) + 64 * len(gens)
                 assert ever < s.config.gc.high_watermark * p.slots.num_slots, (
                     f"{p.name}: up to {ever} pages written into {p.slots.num_slots} slots, so GC may have "
                     "reclaimed acked pages; raise make_config's no-GC capacity")
         served = wrong = 0
         for payload, size in PAYLOADS.items():
-            cand = sorted({k for p, k in acked if p == payload.encode()} |
+            cand = sorted({k for p, k in acked | deleted if p == payload.encode()} |
                           {b"g%d-%d" % (g, i) for g in gens[-3:] for i in range(0, 4000, 37)})
             for lo in range(0, len(cand), 256):
                 ks = cand[lo:lo + 256]
                 outs = [np.zeros(size, np.uint8) for _ in ks]
                 for k, ok, o in zip(ks, s.read_pages(payload, ks, outs), outs):
                     if ok:
+                        came_back = (payload.encode(), k) in deleted
+                        assert not came_back, f"deleted page {payload}/{k} served after restart ({cold})"
                         served += 1
                         wrong += bytes(o) != content(payload, k, size)
                     elif not gc:
@@ -173,9 +196,11 @@ def _acked_bytes(root):
         return 0
 
 
-def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None, pl_stats=None):
+def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None, pl_stats=None, backup_ack="durable",
+              read_engine="python", deletes=False):
     """powerloss: None (SIGKILL only), "random" or "revert" (l3_powerloss.power_loss after each kill,
-    its counts summed into pl_stats); red: remove one flush in the children (see CHILD)."""
+    its counts summed into pl_stats); red: remove one flush in the children (see CHILD); deletes: the
+    children delete about half of what each write_pages stored right after it returned."""
     for sub in ("idx", "d0"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -192,7 +217,8 @@ def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None, pl_stats=None
             if red:
                 env["L3_CRASH_RED"] = red
         acked_before = _acked_bytes(root)
-        p = subprocess.Popen([sys.executable, "-c", CHILD, root, str(gen), "1" if gc else "0", here, str(cap)],
+        p = subprocess.Popen([sys.executable, "-c", CHILD, root, str(gen), "1" if gc else "0", here, str(cap),
+                              backup_ack, read_engine, "1" if deletes else "0"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         line = p.stdout.readline().strip()
         assert line == "ready", p.stderr.read()
@@ -215,9 +241,12 @@ def run_kills(root, n_kills, gc, seed=0, powerloss=None, red=None, pl_stats=None
             for k, v in st.items():
                 if pl_stats is not None:
                     pl_stats[k] = pl_stats.get(k, 0) + v
-        check_store(root, gc, list(range(gen + 1)), full=gen == n_kills - 1, rnd=rnd, cap=cap)
+        check_store(root, gc, list(range(gen + 1)), full=gen == n_kills - 1, rnd=rnd, cap=cap,
+                    backup_ack=backup_ack, read_engine=read_engine, deletes=deletes)
         total_acked = len(read_acked(root))
     assert total_acked > n_kills, "the children should have made progress"
+    if deletes:
+        assert len(read_acked(root, "deleted")) > n_kills, "the children should have deleted pages"
     return total_acked
 
 
@@ -261,3 +290,20 @@ def test_power_loss_60(tmp_path):
         acked = run_kills(str(tmp_path / name), 30, gc=False, seed=seed, powerloss=mode, pl_stats=st)
         print(f"30 power losses ({mode}), {acked} pages acked DURABLE, all recovered; undone: {st}")
     run_kills(str(tmp_path / "gc"), 15, gc=True, seed=9, powerloss="random")
+
+
+# ---------------------------------------------------------------- deletes right after write_pages returned
+
+# Under backup_ack "written" write_pages returns before the group commit, so a delete right after it meets
+# a pending commit: the deleted page must not come back after a kill or a power loss. Every ack and read
+# engine runs in `slow`; CI runs "written" (the one where a delete meets pending commits) on both engines.
+DELETE_RUNS = [pytest.param(ack, engine, kills, marks=pytest.mark.slow if slow else (), id=f"{ack}-{engine}")
+               for ack, kills, slow in (("written", 3, False), ("durable", 6, True), ("operation", 6, True))
+               for engine in ("python", "native")]
+
+
+@pytest.mark.parametrize("backup_ack,read_engine,kills", DELETE_RUNS)
+@pytest.mark.parametrize("powerloss", [None, "random"], ids=["sigkill", "powerloss"])
+def test_deleted_pages_stay_deleted(tmp_path, powerloss, backup_ack, read_engine, kills):
+    run_kills(str(tmp_path), kills, gc=False, seed=10, powerloss=powerloss, backup_ack=backup_ack,
+              read_engine=read_engine, deletes=True)

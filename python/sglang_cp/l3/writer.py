@@ -5,7 +5,8 @@ I/O thread -> group commit on the commit thread (commit.py: fdatasync of the tou
 durable LMDB txn) -> bookkeeping and DURABLE acks back here. One commit is in flight at a time; writes
 that complete while it runs form the next group, so commits batch themselves under load and the disk
 never idles for them. GC, LRU touches, deletes of bad pages and control messages run here too, so no
-other thread ever changes a pool.
+other thread ever changes a pool. Under backup_ack = "written" deletes and touches that follow a
+returned write whose commit is pending wait for that commit (fence.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Optional
 from .acks import AckKind
 from .commit import GroupCommitter
 from .errors import L3InvariantError
+from .fence import CommitFence
 from .gc import WatermarkPolicy
 from .index import IndexEntry, IndexFull, IndexUnavailable
 from .io_pool import IoPool
@@ -51,6 +53,7 @@ class WriteThread:
         self.committing_bytes = 0
         self.barriers: collections.deque[Clear | Stop] = collections.deque()
         self.dirty_touch: dict[bytes, IndexEntry] = {}
+        self.fence = CommitFence(st)
         cfg = st.config
         self._gc_policy = {p: WatermarkPolicy(cfg.gc.high_watermark, cfg.gc.low_watermark, cfg.gc.max_reclaim_per_iter)
                            for p in st.pools}
@@ -89,6 +92,7 @@ class WriteThread:
                 st.stopped = True
             st.fail_inflight()
             st.drain_queue()
+            self.fence.abandon()
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -113,6 +117,8 @@ class WriteThread:
                     break
             for m in msgs:
                 self._handle(m)
+            for d in self.fence.ready_deletes():  # their pending commits landed (or failed)
+                self._delete(d)
             self._apply_touches()
             self._gc()
             if not self.barriers and self._uncommitted_bytes() < _MAX_UNCOMMITTED_BYTES:
@@ -125,6 +131,9 @@ class WriteThread:
                     for t in self.new:
                         self._complete(t, False)
                     self.new.clear()
+                    for d in self.fence.ready_deletes(force=True):  # no write of theirs can land now
+                        self._delete(d)
+                    self._touch_all(self.fence.ready_touches(force=True))
                     if self.dirty_touch:  # keep the LRU order for the next start
                         self._persist_touches_now()
                     b.reply.done.set()
@@ -144,10 +153,12 @@ class WriteThread:
             self.committing = False
             self.committing_bytes = 0
             self._finish_group(m.group)
+            self.fence.commit_landed()
         elif isinstance(m, Drop):
             self._drop(m)
         elif isinstance(m, Delete):
-            self._delete(m)
+            if not self.fence.hold_delete(m):  # else it runs once the commits it waits for landed
+                self._delete(m)
         elif isinstance(m, (Clear, Stop)):
             self.barriers.append(m)
         else:
@@ -350,15 +361,24 @@ class WriteThread:
 
     def _apply_touches(self) -> None:
         st = self.st
-        n = 0
+        self._touch_all(self.fence.ready_touches())
+        pending = self.committing + bool(self.completed)  # group commits of pages already written
+        now = []
         while st.touches:
-            pool, ikey, stamp = st.touches.popleft()
+            t = st.touches.popleft()
+            if not self.fence.hold_touch(t, pending):
+                now.append(t)
+        self._touch_all(now)
+
+    def _touch_all(self, touches: list) -> None:
+        n = 0
+        for pool, ikey, stamp in touches:
             e = pool.lru.touch(ikey, stamp)
             if e is not None:
                 self.dirty_touch[ikey] = e
                 n += 1
         if n:
-            st.count("touches", n)
+            self.st.count("touches", n)
 
     def _gc(self) -> None:
         for name, pool in self.st.pools.items():

@@ -141,3 +141,23 @@ def device_before_bound(monkeypatch, s, pred, what):
         wait_for(pred, what)
         return timed_out(op, counter)
     monkeypatch.setattr(s, "_timed_out", held)
+
+
+class _Syncs(list):
+    """fdatasync arrivals (slots); `arrived` is set at the first one."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = threading.Event()
+
+
+def held_sync():
+    """A fault injector that parks every fdatasync until `gate` is set; `syncs` counts arrivals."""
+    gate, syncs = threading.Event(), _Syncs()
+
+    def injector(op, slab, slot):
+        if op == "sync":
+            syncs.append(slot)
+            syncs.arrived.set()
+            assert gate.wait(30), "test gate never opened"
+    return injector, gate, syncs

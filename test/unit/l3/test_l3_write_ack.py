@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from l3_helpers import WAIT_S, config_doc, index_rows, page, wait_for
+from l3_helpers import WAIT_S, config_doc, held_sync, index_rows, page, wait_for
 from sglang_cp.l3 import L3ConfigError, parse_l3_config
 from sglang_cp.l3.blob import key_digest, key_digester, key_digests
 
@@ -18,26 +18,6 @@ P = 16384
 
 def keys(n, prefix=b"k"):
     return [prefix + b"%d" % i for i in range(n)]
-
-
-class _Syncs(list):
-    """fdatasync arrivals (slots); `arrived` is set at the first one."""
-
-    def __init__(self):
-        super().__init__()
-        self.arrived = threading.Event()
-
-
-def held_sync():
-    """A fault injector that parks every fdatasync until `gate` is set; `syncs` counts arrivals."""
-    gate, syncs = threading.Event(), _Syncs()
-
-    def injector(op, slab, slot):
-        if op == "sync":
-            syncs.append(slot)
-            syncs.arrived.set()
-            assert gate.wait(30), "test gate never opened"
-    return injector, gate, syncs
 
 
 def write_in_thread(s, ks, pages):
