@@ -339,3 +339,60 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
     assert "- `cp-l3-python`: ours" in md
     for name in report.FILES[1:]:
         assert (out / name).stat().st_size > 10_000, name
+
+
+def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
+    """drive() over the harness's real streaming client, against a local HTTP endpoint that answers like
+    /generate (SSE chunks, then [DONE]): rows in prompt order, cache sources and ids per request, the
+    closed loop holding `concurrency` requests in flight, the open loop sending at the prompts' offsets,
+    a failed request kept as a row with its error."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state = {"inflight": 0, "peak": 0}
+    lock = threading.Lock()
+
+    class Generate(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = body["input_ids"]
+            with lock:
+                state["inflight"] += 1
+                state["peak"] = max(state["peak"], state["inflight"])
+            time.sleep(0.05)
+            with lock:
+                state["inflight"] -= 1
+            if len(ids) == 13:
+                self.send_response(500)
+                self.end_headers()
+                return
+            chunk = {"output_ids": [len(ids), body["sampling_params"]["max_new_tokens"]],
+                     "meta_info": {"cached_tokens": len(ids) // 2,
+                                   "cached_tokens_details": {"device": 1, "host": 2, "storage": len(ids) // 2 - 3}}}
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        srv = bench.harness.ServerProcess("unused", port=httpd.server_address[1])
+        tokens = wl.BlockTokens(16, 1000, seed=0)
+        prompts = [wl.Prompt((i, i + 1), 20 + i, 3, at_s=0.15 * i) for i in range(6)]
+        rows, wall = bench.drive(srv, prompts, tokens, "closed", 2, 30, 8)
+        assert [r["i"] for r in rows] == list(range(6)) and state["peak"] == 2
+        assert [r["output_ids"] for r in rows] == [[20 + i, 3] for i in range(6)]
+        assert [(r["device"], r["host"], r["storage"]) for r in rows] == [(1, 2, (20 + i) // 2 - 3) for i in range(6)]
+        assert all(r["ttft_s"] <= r["latency_s"] < wall for r in rows)
+        state["peak"] = 0
+        rows, wall = bench.drive(srv, prompts + [wl.Prompt((9,), 13, 1, at_s=0.8)], tokens, "open", 0, 30, 8)
+        assert all(0 <= r["late_s"] < 0.1 for r in rows) and wall >= 0.8, [r["late_s"] for r in rows]
+        assert [round(r["sent_s"] - r["late_s"], 2) for r in rows] == [0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.8]
+        assert rows[6]["error"].startswith("HTTPError") and "500" in rows[6]["error"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
