@@ -1,0 +1,479 @@
+"""Our L3 tier beside what users would pick instead, on one real SGLang server per tier.
+
+Every tier (``peer_tiers.py``: no HiCache, HiCache L2 only, upstream's ``file``, ``nixl``, Mooncake
+Store, LMCache, ours with each read engine) runs the same workload (``peer_workloads.py``) on the same
+model (dummy weights, ``bench_server_ttft.MODELS``), device pool, host DRAM, disk budget and prefetch
+policy, through the same harness as ``bench_server_ttft.py`` (``sglang_cp.server_process``: streaming
+``/generate`` with ``input_ids``, ``meta_info.cached_tokens_details``). Per tier, two phases:
+
+1. ``replay``: the tier's storage emptied, a fresh server (warmed with one unrelated prompt), the
+   workload once, closed loop at ``--concurrency`` or open loop at the trace's compressed timestamps;
+2. ``restart``: that server stopped, a new one started on the same storage (our tier with cold start
+   ``load``; side services kept, or restarted too with ``--restart-services``), the workload again with
+   no warm-up: its startup time, the time from its first send to the first answer served from storage,
+   the tokens storage served.
+
+Recorded per tier and phase (``peer_report.py``): requests/s, TTFT p50/p90/p99, tokens served from
+device/host/storage, hit ratio against the ideal, bytes on disk (du), CPU seconds of the server's
+process tree and of the side services, output ids against the first tier's. A tier whose package is
+missing keeps its row with the exact import error and what it would take.
+
+    python benchmark/hicache/bench_peers.py run --model small --workload trace --trace conversation_trace.jsonl \\
+        --conversations 40 --block-tokens 128 --max-input-tokens 16384 --concurrency 8 \\
+        --work-dir /path/on/nvme --out-dir out/peers
+    python benchmark/hicache/bench_peers.py run --model small --workload storm --doc-tokens 16384 \\
+        --suffixes 4 --requests 200 --concurrency 16 --work-dir /path/on/nvme --out-dir out/peers-storm
+    python benchmark/hicache/bench_peers.py commands --model small --work-dir /path/on/nvme   # command lines only
+    python benchmark/hicache/bench_peers.py report out/peers/peers.json --out-dir out/peers
+
+``run`` writes ``peers.json`` (after every tier), ``peers.md`` and the PNGs; ``report`` rewrites the
+table and plots from a saved JSON. Nothing here needs a GPU except ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+for _p in (HERE, os.path.join(REPO, "python")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import bench_server_ttft as ttft  # noqa: E402  (the shared harness: models, KV sizes, L3 config)
+import peer_report  # noqa: E402
+import peer_tiers  # noqa: E402
+import peer_workloads as wl  # noqa: E402
+# The real-server harness, imported here only (it is moving into a support package).
+from sglang_cp import server_process as harness  # noqa: E402
+
+GB = 1e9
+KV_SENSITIVE_DIR = os.path.join(REPO, "test", "gpu", "kv_sensitive")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---- workload -------------------------------------------------------------------------------------
+def build_workload(args, model_dir: str) -> tuple:
+    """(prompts, one-line description)."""
+    cfg = ttft.model_config(model_dir)
+    if args.workload == "trace":
+        if not args.trace:
+            raise SystemExit("--workload trace needs --trace FILE (Mooncake FAST'25 JSON Lines)")
+        reqs = wl.read_trace(args.trace)
+        sample = wl.sample_conversations(reqs, args.conversations, args.sample_fraction, args.seed)
+        prompts = wl.trace_prompts(sample, args.block_tokens, args.time_compression, args.max_input_tokens,
+                                   args.max_new_tokens, prefix=wl.system_prefix(reqs))
+        conv = len({p.conversation for p in prompts})
+        desc = (f"trace {os.path.basename(args.trace)}: {len(prompts)} of {len(reqs)} requests, {conv} whole "
+                f"conversations (seed {args.seed}), {args.block_tokens} tokens per block, input cap "
+                f"{args.max_input_tokens or '-'}, {args.loop} loop"
+                + (f" at {args.concurrency}" if args.loop == "closed" else f", time / {args.time_compression:g}"))
+    else:
+        bpt = ttft.kv_bytes_per_token(model_dir)
+        need = wl.storm_docs_needed(args.device_tokens, int(args.hicache_size * GB), bpt, args.doc_tokens)
+        docs = args.docs or need
+        if docs < need and not args.allow_small_storm:
+            raise SystemExit(f"--docs {docs}: the documents' KV fits in device + host pools; use --docs >= {need} "
+                             "(or leave it out), or --allow-small-storm")
+        prompts = wl.storm(docs, args.suffixes, args.requests, args.zipf, args.seed, args.doc_tokens,
+                           args.suffix_tokens, args.block_tokens, args.max_new_tokens or 1)
+        ws = wl.distinct_tokens(prompts, args.block_tokens) * bpt
+        desc = (f"storm: {docs} documents x {args.suffixes} suffixes, Zipf {args.zipf}, {args.requests} requests "
+                f"(seed {args.seed}), {args.doc_tokens}+{args.suffix_tokens} tokens, {args.concurrency} clients, "
+                f"working set {ws / GB:.1f} GB vs pools {(args.device_tokens * bpt) / GB + args.hicache_size:.1f} GB")
+        args.loop = "closed"
+    if cfg.get("vocab_size") is None:
+        raise SystemExit(f"{model_dir}/config.json has no vocab_size: the prompts' token ids need it")
+    return prompts, desc
+
+
+def ideal(prompts: list, block_tokens: int) -> dict:
+    out = {}
+    for phase, warm in (("replay", ()), ("restart", prompts)):
+        h = wl.ideal_hits(prompts, block_tokens, warm=warm)
+        h.pop("per_prompt_tokens")
+        out[phase] = h
+    return out
+
+
+# ---- side services, CPU, disk ---------------------------------------------------------------------
+class RunningService:
+    def __init__(self, svc: peer_tiers.Service, log_path: str, timeout_s: float):
+        self.svc = svc
+        self.log = open(log_path, "ab")
+        self.log.write(("\n$ " + shlex.join(svc.argv) + "\n").encode())
+        self.log.flush()
+        self.proc = subprocess.Popen(svc.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **svc.env}, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                with open(log_path, "rb") as f:
+                    tail = f.read().decode(errors="replace")[-2000:]
+                raise harness.ServerStartError(f"{svc.name} exited with {self.proc.returncode}:\n{tail}")
+            with socket.socket() as s:
+                s.settimeout(1.0)
+                if s.connect_ex(("127.0.0.1", svc.port)) == 0:
+                    return
+            time.sleep(0.3)
+        self.stop()
+        raise harness.ServerStartError(f"{svc.name} did not listen on port {svc.port} within {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if not self.log.closed:
+            self.log.close()
+
+
+def tree_cpu_s(pids: list):
+    """User + system CPU seconds of the processes ``pids`` and their live descendants; None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+            except psutil.Error:
+                continue
+    return total
+
+
+def du_bytes(paths: list) -> dict:
+    """Allocated (st_blocks) and apparent bytes of every file under ``paths``."""
+    alloc = apparent = files = 0
+    for root in paths:
+        for dirpath, _dirs, names in os.walk(root):
+            for n in names:
+                try:
+                    st = os.lstat(os.path.join(dirpath, n))
+                except OSError:
+                    continue
+                alloc += st.st_blocks * 512
+                apparent += st.st_size
+                files += 1
+    return {"allocated": alloc, "apparent": apparent, "files": files}
+
+
+# ---- requests -------------------------------------------------------------------------------------
+def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: float, max_inflight: int) -> tuple:
+    """Send every prompt once (streaming, greedy): (rows in prompt order, wall seconds)."""
+    rows: list = [None] * len(prompts)
+    t0 = time.monotonic()
+
+    def one(i: int) -> None:
+        sent = time.monotonic() - t0
+        row = {"i": i, "sent_s": sent}
+        if loop == "open":
+            row["late_s"] = sent - prompts[i].at_s
+        try:
+            r = srv.generate_stream(tokens.prompt(prompts[i]), prompts[i].output_tokens, timeout_s)
+            row.update(ttft_s=r.ttft_s, latency_s=r.latency_s, device=r.device_tokens, host=r.host_tokens,
+                       storage=r.storage_tokens, cached=r.meta_info.get("cached_tokens"), output_ids=r.output_ids)
+        except (OSError, RuntimeError, ValueError) as e:  # HTTP, stream and JSON failures: the row says which
+            row.update(error=f"{type(e).__name__}: {e}"[:500], latency_s=time.monotonic() - t0 - sent)
+        rows[i] = row
+
+    if loop == "closed":
+        with ThreadPoolExecutor(max(1, concurrency)) as ex:
+            list(ex.map(one, range(len(prompts))))
+    else:
+        with ThreadPoolExecutor(max(1, max_inflight)) as ex:
+            futures = []
+            for i, p in enumerate(prompts):
+                delay = t0 + p.at_s - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                futures.append(ex.submit(one, i))
+            for f in futures:
+                f.result()  # a bug in one() fails the run here instead of leaving a hole in the rows
+    return rows, time.monotonic() - t0
+
+
+def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args) -> dict:
+    pids = [srv.proc.pid]
+    spids = [s.proc.pid for s in services]
+    cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
+    rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
+    cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)
+    ok = [r for r in rows if not r.get("error")]
+    served = {k: sum(r[k] for r in ok) for k in ("storage", "host", "device")}
+    log(f"[{tier.name}] {len(ok)}/{len(rows)} answered in {wall:.1f} s; tokens served from "
+        + ", ".join(f"{k} {v:,}" for k, v in served.items()))
+    return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "du": du_bytes(tier.storage_dirs),
+            "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
+            "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0}
+
+
+def server_env(tier: peer_tiers.Tier, args, base: dict) -> dict:
+    env = {**os.environ, **base, **tier.env}
+    if args.kv_sensitive:  # test-only weight shaping: the answer is read from the prefix KV
+        env["SGLANG_CP_TEST_KV_SENSITIVE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (KV_SENSITIVE_DIR, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, tokens, args, model: str,
+             model_flags: list, common: dict, base_env: dict) -> dict:
+    rec = {"name": tier.name, "how": tier.how, "env": tier.env, "services": [x.argv for x in tier.services],
+           "error": tier.error, "needs": tier.needs, "phases": {}}
+    if tier.error:
+        log(f"[{tier.name}] not run: {tier.error}")
+        return rec
+    peer_tiers.prepare(tier, s)
+    env = server_env(tier, args, base_env)
+    services: list = []
+
+    def server(flags, tag):
+        return harness.ServerProcess(model, model_flags + flags, env=env,
+                                     log_path=os.path.join(args.out_dir, f"{tier.name}-{tag}.log"), **common)
+
+    try:
+        services = [RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"), args.service_timeout)
+                    for x in tier.services]
+        srv = server(tier.args, "replay")
+        rec["command"] = srv.command()
+        srv.start()
+        try:
+            warm = wl.BlockTokens(64, tokens.vocab, seed=tokens.seed + 1)
+            srv.generate(warm.prompt(wl.Prompt(("warm/0", "warm/1"), 128, 1)), 1)  # kernels compiled, off the clock
+            rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args)
+        finally:
+            srv.stop()
+        if "restart" in args.phases:
+            if args.restart_services:
+                for x in services:
+                    x.stop()
+                services = [RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"),
+                                           args.service_timeout) for x in tier.services]
+            srv = server(tier.restart_args or tier.args, "restart")
+            rec["restart_command"] = srv.command()
+            srv.start()
+            try:
+                rec["phases"]["restart"] = run_phase(srv, services, tier, prompts, tokens, args)
+            finally:
+                srv.stop()
+    except harness.ServerStartError as e:
+        rec["error"] = "did not start: " + str(e).splitlines()[0]
+        rec["log"] = str(e)[-3000:]
+        log(f"[{tier.name}] {rec['error']}")
+    finally:
+        for x in services:
+            x.stop()
+    return rec
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def settings(args) -> peer_tiers.TierSettings:
+    return peer_tiers.TierSettings(work_dir=args.work_dir, host_gb=args.hicache_size, disk_gb=args.disk_gb,
+                                   free_port=harness.free_port, prefetch_policy=args.prefetch_policy,
+                                   write_policy=args.write_policy, mem_layout=args.mem_layout,
+                                   io_threads=args.io_threads, mooncake_segment_gb=args.mooncake_segment_gb,
+                                   l3_toml=ttft.write_l3_toml)
+
+
+def select_tiers(args, s) -> list:
+    tiers = peer_tiers.all_tiers(s)
+    if args.tiers:
+        want = [t.strip() for t in args.tiers.split(",") if t.strip()]
+        names = [t.name for t in tiers]
+        bad = [w for w in want if w not in names]
+        if bad:
+            raise SystemExit(f"--tiers: unknown {', '.join(bad)}; choose from {', '.join(names)}")
+        tiers = [t for w in want for t in tiers if t.name == w]
+    return tiers
+
+
+def model_setup(args, model: str, prompts: list) -> tuple:
+    """(model flags, ServerProcess settings, base environment) shared by every tier."""
+    longest = max(p.tokens + p.output_tokens for p in prompts)
+    if not args.device_tokens:
+        args.device_tokens = 2 * longest + 2 * wl.PAGE
+    flags = list(args.server_arg or [])
+    if args.kv_cache_dtype:
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    common = dict(context_length=longest + 256, max_total_tokens=args.device_tokens,
+                  mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout,
+                  attention_backend=args.attention_backend)
+    env: dict = {}
+    if ttft.is_dsa(model):
+        ns = argparse.Namespace(dsa_prefill_backend="fa3", dsa_decode_backend="fa3")
+        dsa_flags, dsa_env = ttft.dsa_server(ns)
+        flags += dsa_flags
+        env = {k: v for k, v in dsa_env.items() if os.environ.get(k) != v}
+        common["attention_backend"] = "dsa"
+    return flags, common, env
+
+
+def write_private_json(path: str, obj) -> None:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def cmd_run(args) -> int:
+    model = ttft.MODELS.get(args.model, args.model)
+    if args.workload == "storm" and not args.device_tokens:
+        raise SystemExit("--workload storm needs --device-tokens (the device pool it must outgrow)")
+    prompts, desc = build_workload(args, model)
+    flags, common, base_env = model_setup(args, model, prompts)
+    vocab = ttft.model_config(model)["vocab_size"]
+    tokens = wl.BlockTokens(args.block_tokens, vocab, args.seed)
+    os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
+    os.makedirs(args.work_dir, mode=0o700, exist_ok=True)
+    s = settings(args)
+    tiers = select_tiers(args, s)
+    result = {"schema": 1,
+              "meta": {"model": os.path.basename(model), "workload": desc, "kv_sensitive": args.kv_sensitive,
+                       "block_tokens": args.block_tokens, "device_tokens": args.device_tokens,
+                       "host_gb": args.hicache_size, "disk_gb": args.disk_gb, "prefetch_policy": args.prefetch_policy,
+                       "loop": args.loop, "concurrency": args.concurrency, "phases": args.phases,
+                       "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+              "ideal": ideal(prompts, args.block_tokens),
+              "prompts": [{"tokens": p.tokens, "blocks": len(p.blocks), "output_tokens": p.output_tokens,
+                           "at_s": p.at_s, "mode": wl.prompt_mode(tokens.prompt(p))} for p in prompts],
+              "tiers": []}
+    log(f"{desc}; ideal token hit ratio {result['ideal']['replay']['token_ratio']:.3f} "
+        f"(restart {result['ideal']['restart']['token_ratio']:.3f})")
+    out_json = os.path.join(args.out_dir, "peers.json")
+    for tier in tiers:
+        result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env))
+        write_private_json(out_json, result)
+    for path in peer_report.write_report(result, args.out_dir):
+        log(f"wrote {path}")
+    print(open(os.path.join(args.out_dir, "peers.md")).read(), flush=True)
+    return 0
+
+
+def cmd_commands(args) -> int:
+    """Each tier's side services and launch_server command line, as a shell would run them."""
+    model = ttft.MODELS.get(args.model, args.model)
+    s = settings(args)
+    for t in select_tiers(args, s):
+        print(f"# {t.name}: {t.how}")
+        if t.error:
+            print(f"#   not runnable here: {t.error}; needs {t.needs}")
+        for path, text in t.files.items():
+            print(f"cat > {shlex.quote(path)} <<'EOF'\n{text}EOF")
+        if t.name.startswith("cp-l3-"):
+            print(f"# {t.args[t.args.index('--cp-l3-config') + 1]}: written by bench_server_ttft.write_l3_toml")
+        for x in t.services:
+            print(shlex.join(x.argv) + " &")
+        cmd = harness.ServerProcess(model, t.args, context_length=args.context_length,
+                                    max_total_tokens=args.device_tokens or 65536, port=30000,
+                                    mem_fraction_static=args.mem_fraction,
+                                    attention_backend=args.attention_backend).command()
+        envs = [f"{k}={shlex.quote(v)}" for k, v in t.env.items()]
+        print(" ".join(envs + ["python"] + [shlex.quote(c) for c in cmd[1:]]) + "\n")
+    return 0
+
+
+def cmd_report(args) -> int:
+    with open(args.json) as f:
+        result = json.load(f)
+    for path in peer_report.write_report(result, args.out_dir):
+        log(f"wrote {path}")
+    return 0
+
+
+def add_tier_args(p) -> None:
+    p.add_argument("--model", default="small", help="NAME in %s or a model directory" % sorted(ttft.MODELS))
+    p.add_argument("--work-dir", required=True, help="directory on the disk under test: each tier's storage goes here")
+    p.add_argument("--tiers", default="", help="comma-separated tier names (default: all)")
+    p.add_argument("--hicache-size", type=int, default=8, help="host DRAM for KV, GB: HiCache's pool, LMCache's L1")
+    p.add_argument("--disk-gb", type=float, default=64.0, help="storage budget of every tier, GB")
+    p.add_argument("--device-tokens", type=int, default=0,
+                   help="device pool (--max-total-tokens); default 2 x the longest request")
+    p.add_argument("--prefetch-policy", default="wait_complete", choices=["best_effort", "wait_complete", "timeout"])
+    p.add_argument("--write-policy", default="write_through",
+                   choices=["write_back", "write_through", "write_through_selective"])
+    p.add_argument("--mem-layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])
+    p.add_argument("--io-threads", type=int, default=8, help="our L3's I/O threads")
+    p.add_argument("--mooncake-segment-gb", type=float, default=4.0, help="Mooncake's DRAM segment, GB")
+    p.add_argument("--mem-fraction", type=float, default=0.8, help="--mem-fraction-static of every server")
+    p.add_argument("--attention-backend", default="triton", help="upstream's --attention-backend (fa3 on sm90)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the workload on every tier (needs a GPU)")
+    add_tier_args(r)
+    r.add_argument("--out-dir", default="out/peers")
+    r.add_argument("--workload", choices=["trace", "storm"], default="trace")
+    r.add_argument("--trace", help="Mooncake FAST'25 JSON Lines trace")
+    r.add_argument("--conversations", type=int, default=None, help="sample this many whole conversations")
+    r.add_argument("--sample-fraction", type=float, default=None, help="or this fraction of the conversations")
+    r.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block (the trace's own: 512)")
+    r.add_argument("--time-compression", type=float, default=1.0, help="open loop: the trace's gaps / this")
+    r.add_argument("--max-input-tokens", type=int, default=None, help="cap on a prompt's length")
+    r.add_argument("--max-new-tokens", type=int, default=8, help="cap on the tokens each request generates")
+    r.add_argument("--loop", choices=["closed", "open"], default="closed")
+    r.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight (storm: clients)")
+    r.add_argument("--max-inflight", type=int, default=256, help="open loop: bound on requests in flight")
+    r.add_argument("--docs", type=int, default=0, help="storm documents (default: sized past the pools)")
+    r.add_argument("--allow-small-storm", action="store_true", help="accept --docs whose KV fits in the pools")
+    r.add_argument("--suffixes", type=int, default=4)
+    r.add_argument("--requests", type=int, default=200)
+    r.add_argument("--zipf", type=float, default=1.1, help="storm document popularity exponent")
+    r.add_argument("--doc-tokens", type=int, default=16384)
+    r.add_argument("--suffix-tokens", type=int, default=256)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--phases", default="replay,restart", help="replay, or replay,restart")
+    r.add_argument("--restart-services", action="store_true",
+                   help="restart the side services too (Mooncake master, LMCache server) at the restart")
+    r.add_argument("--kv-sensitive", action="store_true",
+                   help="test-only weights whose answer is read from the prefix KV (DeepSeek-family models)")
+    r.add_argument("--kv-cache-dtype", default="")
+    r.add_argument("--server-arg", action="append", metavar="ARG", help="one more launch_server argument")
+    r.add_argument("--request-timeout", type=float, default=600)
+    r.add_argument("--startup-timeout", type=float, default=900)
+    r.add_argument("--service-timeout", type=float, default=120)
+    c = sub.add_parser("commands", help="print each tier's command lines (no GPU)")
+    add_tier_args(c)
+    c.add_argument("--context-length", type=int, default=65536)
+    p = sub.add_parser("report", help="table and plots from a saved peers.json")
+    p.add_argument("json")
+    p.add_argument("--out-dir", default="out/peers")
+    args = ap.parse_args(argv)
+    if args.cmd == "report":
+        return cmd_report(args)
+    if args.cmd == "commands":
+        return cmd_commands(args)
+    args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    if not set(args.phases) <= set(peer_report.PHASES) or "replay" not in args.phases:
+        raise SystemExit(f"--phases {','.join(args.phases)}: give replay or replay,restart")
+    return cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Report of the peers benchmark (``bench_peers.py``) from its saved JSON: a markdown table for
+docs/benchmarks.md and three plots (matplotlib, the ``plot`` extra): TTFT CDF per tier, requests/s per
+tier, hit ratio per tier against the workload's ideal.
+
+Per tier and phase: requests/s (completed requests over the phase's wall time), TTFT percentiles, the
+tokens each cache level served (``cached_tokens_details``), the hit ratio (served / prompt tokens) beside
+the ideal (``peer_workloads.ideal_hits``), bytes on disk (du of the tier's storage directories after the
+phase), CPU seconds of the server's process tree and of the tier's side services, and output ids against
+the reference tier (the first tier, in run order, with the phase): requests whose ids differ, of those
+compared. With ``kv_sensitive`` the run also counts first tokens that are the prompt's most frequent
+token (the shaped model's answer when the prefix KV is right).
+"""
+
+from __future__ import annotations
+
+import os
+
+GB = 1e9
+PHASES = ("replay", "restart")
+FILES = ("peers.md", "peers_ttft_cdf.png", "peers_throughput.png", "peers_hit_ratio.png")
+
+
+def percentile(xs: list, q: float):
+    """Linear interpolation between closest ranks (numpy's default); None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _ok(rows: list) -> list:
+    return [r for r in rows if not r.get("error")]
+
+
+def reference_tier(result: dict, phase: str):
+    for t in result["tiers"]:
+        if phase in (t.get("phases") or {}):
+            return t
+    return None
+
+
+def mismatches(ref_rows: list, rows: list) -> tuple:
+    """(requests whose output ids differ from the reference's, requests compared): both answered."""
+    ref = {r["i"]: r["output_ids"] for r in _ok(ref_rows)}
+    both = [(ref[r["i"]], r["output_ids"]) for r in _ok(rows) if r["i"] in ref]
+    return sum(a != b for a, b in both), len(both)
+
+
+def first_storage_hit_s(rows: list):
+    """Seconds from the phase's first send to the end of the first request served partly from storage."""
+    hits = [r["sent_s"] + r["latency_s"] for r in _ok(rows) if r.get("storage")]
+    return min(hits) if hits else None
+
+
+def summarize(result: dict) -> list:
+    prompts = result["prompts"]
+    out = []
+    for t in result["tiers"]:
+        if t.get("error") and not t.get("phases"):
+            out.append({"tier": t["name"], "phase": None, "error": t["error"], "needs": t.get("needs")})
+            continue
+        for phase, ph in (t.get("phases") or {}).items():
+            rows = ph.get("requests", [])
+            ok = _ok(rows)
+            ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+            served = {k: sum(r.get(k) or 0 for r in ok) for k in ("device", "host", "storage")}
+            tokens = sum(prompts[r["i"]]["tokens"] for r in ok)
+            ref = reference_tier(result, phase)
+            diff, compared = mismatches(ref["phases"][phase]["requests"], rows) if ref is not t else (0, len(ok))
+            row = {"tier": t["name"], "phase": phase, "n": len(rows), "errors": len(rows) - len(ok),
+                   "rps": len(ok) / ph["wall_s"] if ph.get("wall_s") else None,
+                   "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
+                   **served, "prompt_tokens": tokens,
+                   "hit_ratio": sum(served.values()) / tokens if tokens else None,
+                   "ideal_ratio": (result.get("ideal") or {}).get(phase, {}).get("token_ratio"),
+                   "disk_bytes": (ph.get("du") or {}).get("allocated"),
+                   "cpu_server_s": ph.get("cpu_server_s"), "cpu_services_s": ph.get("cpu_services_s"),
+                   "ids_differ": diff, "ids_compared": compared, "reference": ref["name"],
+                   "startup_s": ph.get("startup_s"), "first_storage_hit_s": first_storage_hit_s(rows)}
+            if result.get("meta", {}).get("kv_sensitive"):
+                want = [(prompts[r["i"]].get("mode"), (r.get("output_ids") or [None])[0]) for r in ok]
+                want = [(m, o) for m, o in want if m is not None]
+                row["mode_ok"], row["mode_checked"] = sum(m == o for m, o in want), len(want)
+            out.append(row)
+    return out
+
+
+def _f(v, fmt="{:.3f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list) -> str:
+    head = ["tier", "phase", "req/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "device tok", "host tok",
+            "storage tok", "hit ratio (ideal)", "disk GB", "CPU s server + services", "ids differ / compared",
+            "startup s", "first storage hit s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        if r["phase"] is None:
+            lines.append("| " + " | ".join([r["tier"], "-", "not run: " + r["error"].replace("|", "/")]
+                                          + ["-"] * (len(head) - 3)) + " |")
+            continue
+        cpu = "-" if r["cpu_server_s"] is None else (f"{r['cpu_server_s']:.1f} + {r['cpu_services_s'] or 0:.1f}")
+        lines.append("| " + " | ".join([
+            r["tier"], r["phase"], _f(r["rps"], "{:.2f}"), _f(r["ttft_p50"]), _f(r["ttft_p90"]), _f(r["ttft_p99"]),
+            f"{r['device']:,}", f"{r['host']:,}", f"{r['storage']:,}",
+            f"{_f(r['hit_ratio'], '{:.3f}')} ({_f(r['ideal_ratio'], '{:.3f}')})",
+            _f(None if r["disk_bytes"] is None else r["disk_bytes"] / GB, "{:.2f}"), cpu,
+            f"{r['ids_differ']} / {r['ids_compared']}" + (" (ref)" if r["reference"] == r["tier"] else ""),
+            _f(r["startup_s"], "{:.1f}"), _f(r["first_storage_hit_s"], "{:.2f}")]) + " |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict, rows: list) -> str:
+    meta = result.get("meta", {})
+    parts = [f"Workload: {meta.get('workload', '-')}", "", table(rows), ""]
+    if any("mode_ok" in r for r in rows):
+        parts += ["First token = the prompt's most frequent token (KV-sensitive weights): " + ", ".join(
+            f"{r['tier']} {r['phase']} {r['mode_ok']}/{r['mode_checked']}" for r in rows if "mode_ok" in r), ""]
+    parts.append("How each tier was configured:")
+    parts += [f"- `{t['name']}`: {t['how']}" for t in result["tiers"]]
+    missing = [t for t in result["tiers"] if t.get("error")]
+    if missing:
+        parts += ["", "Not run (or stopped) on this host:"]
+        parts += [f"- `{t['name']}`: {t['error']} -- needs {t.get('needs') or '-'}" for t in missing]
+    return "\n".join(parts) + "\n"
+
+
+def plots(result: dict, rows: list, out_dir: str) -> list:
+    """The three PNGs; [] without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    ran = [t for t in result["tiers"] if t.get("phases")]
+    phases = [p for p in PHASES if any(p in (t.get("phases") or {}) for t in ran)]
+    paths = []
+
+    fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(6.5 * max(1, len(phases)), 4.5), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        for t in ran:
+            xs = sorted(r["ttft_s"] for r in _ok((t.get("phases") or {}).get(phase, {}).get("requests", []))
+                        if r.get("ttft_s") is not None)
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=t["name"])
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF, {phase}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, FILES[1]))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    ran_rows = [r for r in rows if r["phase"] is not None]
+    names = [t["name"] for t in ran]
+    width = 0.8 / max(1, len(phases))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.5))
+    for k, phase in enumerate(phases):
+        by = {r["tier"]: r["rps"] or 0.0 for r in ran_rows if r["phase"] == phase}
+        ax.bar([i + k * width for i in range(len(names))], [by.get(n, 0.0) for n in names], width, label=phase)
+    ax.set_xticks([i + width * (len(phases) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("requests/s")
+    ax.set_title("Throughput per tier")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, FILES[2]))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(max(6.0, 1.1 * len(names)) * max(1, len(phases)), 4.5),
+                             squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        by = {r["tier"]: r for r in ran_rows if r["phase"] == phase}
+        bottom = [0.0] * len(names)
+        for level in ("device", "host", "storage"):
+            vals = [(by[n][level] / by[n]["prompt_tokens"]) if n in by and by[n]["prompt_tokens"] else 0.0
+                    for n in names]
+            ax.bar(range(len(names)), vals, 0.6, bottom=bottom, label=level)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ideal = (result.get("ideal") or {}).get(phase, {}).get("token_ratio")
+        if ideal is not None:
+            ax.axhline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.3f}")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("cached tokens / prompt tokens")
+        ax.set_title(f"Hit ratio by tier, {phase}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, FILES[3]))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_report(result: dict, out_dir: str) -> list:
+    """peers.md and the PNGs in ``out_dir``; returns the paths written."""
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    rows = summarize(result)
+    md = os.path.join(out_dir, FILES[0])
+    with open(md, "w") as f:
+        f.write(markdown(result, rows))
+    return [md] + plots(result, rows, out_dir)

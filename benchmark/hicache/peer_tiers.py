@@ -1,0 +1,226 @@
+"""The tiers of the peers benchmark (``bench_peers.py``): one function per tier, each a real
+``launch_server`` flag list, the environment it needs, the side services it starts (a Mooncake master,
+an LMCache server), the directories its KV lands in and a "how configured" line for the results.
+
+Every tier gets the same model, GPU, device pool, disk budget (``disk_gb``), host DRAM for KV
+(``host_gb``: HiCache's host pool, or for LMCache, which replaces HiCache, its own L1) and prefetch
+policy. Each peer runs with its own SGLang flags and the settings its documentation gives for one node:
+
+- ``no-hicache``: upstream's radix cache only (device pool);
+- ``hicache-l2``: HiCache with the host pool, no storage;
+- ``file``: ``--hicache-storage-backend file``, its LRU evictor capped at ``disk_gb`` through the
+  backend's extra config (``max_size``; the ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`` variable would do
+  the same);
+- ``nixl``: the NIXL backend with its POSIX plugin and O_DIRECT (``SGLANG_HICACHE_NIXL_BACKEND_PLUGIN``,
+  ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``, ``use_direct_io``); it has no byte cap: upstream's L3
+  cleaner keeps the filesystem between its default watermarks (80 / 70 % full);
+- ``mooncake``: Mooncake Store through a real ``mooncake_master --enable_offload=true`` (TCP, one node,
+  P2P handshake), the embedded real client with SSD offload to a local directory, the bucket backend
+  capped at ``disk_gb`` with LRU eviction;
+- ``lmcache``: ``--enable-lmcache`` with a real ``lmcache server`` (multiprocess mode), L1 of
+  ``host_gb`` and its ``fs`` L2 adapter on a local directory capped at ``disk_gb``;
+- ``cp-l3-<engine>``: ours, ``--enable-cp-l3`` on HiCache, one tier per read engine the L3 config
+  accepts (``sglang_cp.l3.config.READ_ENGINES``).
+
+A peer whose package or program is missing still gets its row: ``error`` holds the exact import error
+and ``needs`` what it would take.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+GIB = 1 << 30
+
+
+@dataclass
+class Service:
+    """A side process a tier needs, started before its server and stopped after it."""
+
+    name: str
+    argv: list
+    port: int
+    env: dict = field(default_factory=dict)
+
+
+@dataclass
+class Tier:
+    name: str
+    args: list  # launch_server flags beyond the model's and the harness's own
+    how: str
+    env: dict = field(default_factory=dict)  # added to the server's environment
+    services: list = field(default_factory=list)
+    storage_dirs: list = field(default_factory=list)  # where its KV lands (emptied before the tier runs)
+    restart_args: Optional[list] = None  # flags of the restarted server, where they differ
+    files: dict = field(default_factory=dict)  # config files to write before it starts: path -> text
+    error: Optional[str] = None  # why it cannot run on this host (exact text)
+    needs: Optional[str] = None  # what it would take
+
+    @property
+    def storage(self) -> bool:
+        return bool(self.storage_dirs)
+
+
+@dataclass
+class TierSettings:
+    work_dir: str
+    host_gb: int  # HiCache host pool (LMCache: its L1), GB
+    disk_gb: float  # storage budget of every tier, GB
+    free_port: Callable[[], int]  # the harness's free_port
+    prefetch_policy: str = "wait_complete"
+    write_policy: str = "write_through"
+    mem_layout: str = "page_first"
+    io_threads: int = 8
+    mooncake_segment_gb: float = 4.0  # Mooncake's own DRAM segment (the SSD-offload guide's example)
+    l3_toml: Optional[Callable] = None  # bench_server_ttft.write_l3_toml (root, capacity_gb, threads, engine)
+
+    def dir(self, tier: str) -> str:
+        return os.path.join(os.path.abspath(self.work_dir), tier)
+
+
+def probe_import(module: str) -> Optional[str]:
+    """None when ``module`` imports here, else the exact error (type and message)."""
+    try:
+        importlib.import_module(module)
+        return None
+    except Exception as e:  # an ImportError, or whatever a half-installed package raises on import
+        return f"{type(e).__name__}: {e}"
+
+
+def _hicache(s: TierSettings) -> list:
+    return ["--enable-hierarchical-cache", "--hicache-size", str(s.host_gb), "--hicache-mem-layout", s.mem_layout,
+            "--hicache-write-policy", s.write_policy, "--hicache-storage-prefetch-policy", s.prefetch_policy]
+
+
+def _extra(cfg: dict) -> list:
+    return ["--hicache-storage-backend-extra-config", json.dumps(cfg, separators=(",", ":"))]
+
+
+def tier_no_hicache(s: TierSettings) -> Tier:
+    return Tier("no-hicache", [], "upstream radix cache on the device pool only: no host pool, no storage")
+
+
+def tier_hicache_l2(s: TierSettings) -> Tier:
+    return Tier("hicache-l2", _hicache(s), f"HiCache host pool {s.host_gb} GB ({s.mem_layout}, {s.write_policy}); "
+                "no storage backend")
+
+
+def tier_file(s: TierSettings) -> Tier:
+    d = os.path.join(s.dir("file"), "kv")
+    cap = int(s.disk_gb * GIB)
+    args = _hicache(s) + ["--hicache-storage-backend", "file"] + _extra({"file_storage_path": d, "max_size": cap})
+    return Tier("file", args, f"upstream HiCacheFile in {d}, LRU evictor capped at {cap} B (extra config max_size), "
+                f"host pool {s.host_gb} GB, prefetch {s.prefetch_policy}; page files through the page cache, no fsync",
+                storage_dirs=[d])
+
+
+def tier_nixl(s: TierSettings) -> Tier:
+    d = os.path.join(s.dir("nixl"), "kv")
+    args = _hicache(s) + ["--hicache-storage-backend", "nixl"] + _extra({"use_direct_io": True})
+    env = {"SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX", "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": d}
+    t = Tier("nixl", args, f"upstream HiCacheNixl, POSIX plugin, O_DIRECT, files in {d}; no byte cap (upstream's "
+             f"L3 cleaner keeps the filesystem under 80 % full, down to 70 %), host pool {s.host_gb} GB, "
+             f"prefetch {s.prefetch_policy}", env=env, storage_dirs=[d])
+    t.error = probe_import("nixl._api")
+    if t.error:
+        t.needs = ("the nixl Python package with its POSIX plugin (pip install nixl, which pulls nixl-cu12 or "
+                   "nixl-cu13 to match CUDA; on an offline GPU host carry the wheels)")
+    return t
+
+
+def tier_mooncake(s: TierSettings) -> Tier:
+    root = s.dir("mooncake")
+    d = os.path.join(root, "ssd")
+    cap = int(s.disk_gb * GIB)
+    port = s.free_port()
+    master = Service("mooncake_master", ["mooncake_master", f"--rpc_port={port}", "--enable_offload=true"], port)
+    cfg = {"master_server_address": f"127.0.0.1:{port}", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+           "device_name": "", "local_hostname": "127.0.0.1",
+           "global_segment_size": f"{s.mooncake_segment_gb:g}gb", "enable_ssd_offload": True, "ssd_offload_path": d}
+    env = {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+           "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
+           "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
+    args = _hicache(s) + ["--hicache-storage-backend", "mooncake"] + _extra(cfg)
+    t = Tier("mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{port}, TCP, "
+             f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
+             f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU), "
+             f"prefetch {s.prefetch_policy}", env=env, services=[master], storage_dirs=[d])
+    t.error = probe_import("mooncake.store")
+    if not t.error and shutil.which("mooncake_master") is None:
+        t.error = "mooncake_master: not found on PATH"
+    if t.error:
+        t.needs = ("pip install mooncake-transfer-engine (the wheel ships mooncake.store and the mooncake_master "
+                   "program)")
+    return t
+
+
+def tier_lmcache(s: TierSettings) -> Tier:
+    root = s.dir("lmcache")
+    d = os.path.join(root, "fs")
+    port = s.free_port()
+    adapter = {"type": "fs", "base_path": d, "max_capacity_gb": s.disk_gb}
+    server = Service("lmcache server", ["lmcache", "server", "--host", "127.0.0.1", "--port", str(port),
+                                        "--l1-size-gb", str(s.host_gb), "--eviction-policy", "LRU",
+                                        "--l2-adapter", json.dumps(adapter, separators=(",", ":"))], port)
+    yaml = os.path.join(root, "lmcache.yaml")
+    t = Tier("lmcache", ["--enable-lmcache", "--lmcache-config-file", yaml],
+             f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM (LRU) in place of HiCache's "
+             f"host pool (--enable-lmcache excludes --enable-hierarchical-cache), fs L2 adapter in {d} capped at "
+             f"{s.disk_gb:g} GB; its own prefetch (no --hicache-storage-prefetch-policy)",
+             services=[server], storage_dirs=[d], files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})
+    t.error = probe_import("lmcache.integration.sglang.unified_lmcache_mp_connector")
+    if not t.error and shutil.which("lmcache") is None:
+        t.error = "lmcache: not found on PATH"
+    if t.error:
+        t.needs = "pip install lmcache (a CUDA 12 build; its 'lmcache server' program serves the KV)"
+    return t
+
+
+def read_engines() -> tuple:
+    from sglang_cp.l3.config import READ_ENGINES
+
+    return READ_ENGINES
+
+
+def tier_ours(s: TierSettings, engine: str) -> Tier:
+    root = s.dir(f"cp-l3-{engine}")
+    cfg = os.path.join(root, "l3.toml")
+    args = _hicache(s) + ["--enable-cp-l3", "--cp-l3-config", cfg]
+    t = Tier(f"cp-l3-{engine}", args + ["--cp-l3-cold-start", "clear"],
+             f"sglang-cp L3 (--enable-cp-l3), io.read_engine = {engine!r}, {s.io_threads} I/O threads, slabs "
+             f"preallocated to {s.disk_gb:g} GB in {root}/data (du counts them whole), backup_ack durable (data, "
+             f"fdatasync, index commit before the ack), host pool {s.host_gb} GB, prefetch {s.prefetch_policy}; "
+             "cold start clear, restart load",
+             storage_dirs=[os.path.join(root, "data"), os.path.join(root, "index")],
+             restart_args=args + ["--cp-l3-cold-start", "load"])
+    if engine == "native":
+        from sglang_cp.l3 import native
+
+        if native.library_path() is None:
+            t.error = "io.read_engine = 'native': the sglang-cp native library is not built on this host"
+            t.needs = "pip install sglang-cp from source (or python setup.py build_ext --inplace) on this host"
+    return t
+
+
+def all_tiers(s: TierSettings) -> list:
+    return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s), tier_lmcache(s)]
+            + [tier_ours(s, e) for e in read_engines()])
+
+
+def prepare(tier: Tier, s: TierSettings) -> None:
+    """Empty the tier's storage and write its config files (0700 directories, 0600 files)."""
+    for d in tier.storage_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d, mode=0o700)
+    for path, text in tier.files.items():
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
+    if tier.name.startswith("cp-l3-"):
+        engine = tier.name[len("cp-l3-"):]
+        s.l3_toml(s.dir(tier.name), s.disk_gb, s.io_threads, engine)

@@ -1,0 +1,398 @@
+"""The peers benchmark (benchmark/hicache/bench_peers.py and its peer_* modules) on CPU: trace parsing,
+whole-conversation sampling, the ideal hit ratio on a hand-checked example, token mapping, the storm,
+the open-loop schedule, every tier's real launch_server command line, and the report from a saved JSON.
+The GPU run itself (servers, requests) is not exercised here."""
+
+import json
+import os
+import stat
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(HERE, "..", "..", "benchmark", "hicache")
+sys.path.insert(0, BENCH)
+
+import bench_peers as bench  # noqa: E402
+import peer_report as report  # noqa: E402
+import peer_tiers as tiers  # noqa: E402
+import peer_workloads as wl  # noqa: E402
+
+
+def trace_lines() -> list:
+    """A small trace in the Mooncake format: 6 multi-turn conversations behind the system prompt [0, 1]
+    (each turn repeats the conversation so far and adds blocks), 2 conversations that share only block
+    0, and one request that is only the system prompt: 50 lines, turns interleaved in time."""
+    lines = []
+    for c in range(6):
+        own = []
+        for t in range(7):
+            own += [1000 * (c + 1) + 10 * t + k for k in range(2)]
+            lines.append({"timestamp": 3000 * t + 100 * c, "input_length": 512 * (2 + len(own)) - 100,
+                          "output_length": 40 + t, "hash_ids": [0, 1] + own})
+    for c in range(2):
+        for t in range(3):
+            lines.append({"timestamp": 3000 * t + 700 + c, "input_length": 512 * (2 + t), "output_length": 5,
+                          "hash_ids": [0, 9000 + c] + [9100 + 10 * c + k for k in range(t + 1)]})
+    lines.append({"timestamp": 500, "input_length": 1000, "output_length": 3, "hash_ids": [0, 1]})
+    lines.append({"timestamp": 30000, "input_length": 1024, "output_length": 3, "hash_ids": [0, 1]})
+    assert len(lines) == 50
+    return [json.dumps(x) for x in lines]
+
+
+def test_trace_parsing_and_one_line_errors():
+    reqs = wl.parse_trace(trace_lines() + [""], source="t.jsonl")
+    assert len(reqs) == 50 and reqs[0].line == 1 and reqs[0].hash_ids == (0, 1, 1000, 1001)
+    assert reqs[0].timestamp_ms == 0.0 and reqs[0].input_length == 1948 and reqs[0].output_length == 40
+    line = '{{"timestamp": {}, "input_length": {}, "output_length": 1, "hash_ids": {}}}'.format
+    bad = [(line(1, 5, []), "t.jsonl:2: field 'hash_ids'"), (line(-1, 5, [1]), "t.jsonl:2: field 'timestamp'"),
+           (line(1, 0, [1]), "t.jsonl:2: field 'input_length'"),
+           ("[1, 2]", "t.jsonl:2: not a JSON object"), ("{oops", "t.jsonl:2: not a JSON object")]
+    for text, msg in bad:
+        with pytest.raises(wl.WorkloadError, match=msg):
+            wl.parse_trace([trace_lines()[0], text], source="t.jsonl")
+    with pytest.raises(wl.WorkloadError, match="no requests"):
+        wl.parse_trace(["", " "], source="empty")
+
+
+def test_system_prompt_and_conversations_from_the_data():
+    reqs = wl.parse_trace(trace_lines())
+    # block 0 is in all 50, [0, 1] in 44 (> 25): the system prompt; no third block is in more than 7
+    assert wl.system_prefix(reqs) == (0, 1)
+    convs = wl.conversations(reqs)
+    sizes = {k: len(v) for k, v in convs.items()}
+    assert sizes == {1000: 7, 2000: 7, 3000: 7, 4000: 7, 5000: 7, 6000: 7, 9000: 3, 9001: 3,
+                     ("alone", 49): 1, ("alone", 50): 1}
+    assert [r.line for r in convs[9001]] == [46, 47, 48]  # trace order kept
+
+
+def test_sampling_keeps_whole_conversations_seeded():
+    reqs = wl.parse_trace(trace_lines())
+    convs = wl.conversations(reqs)
+    prefix = wl.system_prefix(reqs)
+    for kw, n in ((dict(count=3), 3), (dict(fraction=0.5), 5), (dict(count=100), 10)):
+        got = wl.sample_conversations(reqs, seed=7, **kw)
+        keys = {wl.conversation_key(r, prefix) for r in got}
+        assert len(keys) == n
+        for k in keys:  # every request of a kept conversation, nothing of the others
+            assert [r for r in got if wl.conversation_key(r, prefix) == k] == convs[k]
+        assert got == [r for r in reqs if r in got]  # trace order
+        assert got == wl.sample_conversations(reqs, seed=7, **kw)  # seeded
+    assert {wl.conversation_key(r, prefix) for r in wl.sample_conversations(reqs, count=3, seed=7)} != \
+        {wl.conversation_key(r, prefix) for r in wl.sample_conversations(reqs, count=3, seed=8)}
+    assert wl.sample_conversations(reqs) == reqs
+    with pytest.raises(wl.WorkloadError, match="--sample-fraction 1.5"):
+        wl.sample_conversations(reqs, fraction=1.5)
+
+
+def test_ideal_hit_ratio_hand_example():
+    """block_tokens 4, page 2. Per prompt (blocks, tokens): hit blocks, served prefix -> servable tokens,
+    servable = min(prefix, (tokens - 1) // 2 * 2):
+    P1 (a,b) 8      -> 0 blocks, 0; held a:4 b:4
+    P2 (a,b,c) 10   -> a,b hit, c unheld: 2 blocks, 8 -> min(8, 8) = 8; held c:2 (the prompt ends 2 into c)
+    P3 (a,c) 8      -> a hit, c needs 4 of which 2 are held: 1 block, 4 + 2 = 6 -> min(6, 6) = 6; held c:4
+    P4 (a,c,d) 12   -> a,c hit, d unheld: 2 blocks, 8 -> min(8, 10) = 8; held d:4
+    P5 (a,b) 8      -> both hit: 2 blocks, 8 -> min(8, 6) = 6 (the last token is never cached)
+    P6 (e,a) 8      -> e unheld first, so a does not count: 0
+    blocks 2+3+2+3+2+2 = 14, hits 0+2+1+2+2+0 = 7: block ratio 0.5; tokens 8+10+8+12+8+8 = 54, servable
+    0+8+6+8+6+0 = 28: token ratio 28/54.
+    After a first pass (restart): a..e all held whole, every block hits (14/14); servable min(n, page cap):
+    6+8+6+10+6+6 = 42 of 54."""
+    P = wl.Prompt
+    prompts = [P(("a", "b"), 8, 1), P(("a", "b", "c"), 10, 1), P(("a", "c"), 8, 1), P(("a", "c", "d"), 12, 1),
+               P(("a", "b"), 8, 1), P(("e", "a"), 8, 1)]
+    h = wl.ideal_hits(prompts, 4, page=2)
+    assert (h["hit_blocks"], h["blocks"], h["hit_tokens"], h["tokens"]) == (7, 14, 28, 54)
+    assert h["block_ratio"] == 0.5 and h["token_ratio"] == 28 / 54
+    assert h["per_prompt_tokens"] == [0, 8, 6, 8, 6, 0]
+    r = wl.ideal_hits(prompts, 4, page=2, warm=prompts)
+    assert (r["hit_blocks"], r["hit_tokens"], r["per_prompt_tokens"]) == (14, 42, [6, 8, 6, 10, 6, 6])
+    ideal = bench.ideal(prompts, 4)  # the run's two phases (page 64: every prompt here is under a page)
+    assert ideal["replay"]["block_ratio"] == 0.5 and ideal["restart"]["hit_tokens"] == 0
+
+
+def test_trace_prompts_scale_cap_and_open_loop_schedule():
+    reqs = wl.parse_trace([json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids})
+                           for t, n, o, ids in ((4000, 1000, 900, [0, 5, 6]), (1000, 1100, 2, [0, 7, 8, 9]),
+                                                (1000, 300, 0, [0]), (10000, 1536, 50, [0, 5, 6]))])
+    p = wl.trace_prompts(reqs, block_tokens=64, time_compression=2.0, max_output_tokens=16)
+    # sorted by time (ties in trace order), offsets (t - 1000) / 1000 / 2
+    assert [x.at_s for x in p] == [0.0, 0.0, 1.5, 4.5]
+    # 1100 tokens of 512-token blocks -> ceil(1100 * 64 / 512) = 138 tokens in 3 blocks of 64
+    assert (p[0].tokens, p[0].blocks, p[0].output_tokens) == (138, (0, 7, 8), 2)
+    assert (p[1].tokens, p[1].blocks, p[1].output_tokens) == (38, (0,), 1)  # output 0 -> at least 1
+    assert (p[2].tokens, p[2].blocks, p[2].output_tokens) == (125, (0, 5), 16)
+    assert (p[3].tokens, p[3].blocks) == (192, (0, 5, 6))
+    capped = wl.trace_prompts(reqs, block_tokens=64, max_input_tokens=64)
+    assert [(x.tokens, x.blocks) for x in capped] == [(64, (0,)), (38, (0,)), (64, (0,)), (64, (0,))]
+    assert wl.open_loop_offsets([5000, 7000, 6000], 4) == [0.0, 0.5, 0.25]
+    with pytest.raises(wl.WorkloadError, match="--time-compression 0"):
+        wl.open_loop_offsets([1, 2], 0)
+
+
+def test_token_mapping_is_deterministic_and_inside_the_vocab():
+    a, b = wl.BlockTokens(64, 154880, seed=1), wl.BlockTokens(64, 154880, seed=1)
+    assert a.block(17).tolist() == b.block(17).tolist() and len(a.block(17)) == 64
+    assert a.block(17).tolist() != a.block(18).tolist() != wl.BlockTokens(64, 154880, seed=2).block(17).tolist()
+    assert a.block(5).tolist() != a.block("5").tolist()  # a trace id and a storm id never collide
+    small = wl.BlockTokens(512, 40, seed=0)
+    ids = [t for blk in range(30) for t in small.block(blk)]
+    assert min(ids) >= wl.LOW_TOKEN and max(ids) < 40
+    p1, p2 = wl.Prompt((3, 4, 5), 150, 1), wl.Prompt((3, 4, 9), 192, 1)
+    t1, t2 = a.prompt(p1), a.prompt(p2)
+    assert len(t1) == 150 and t1 == (a.block(3).tolist() + a.block(4).tolist() + a.block(5).tolist())[:150]
+    assert t1[:128] == t2[:128] and t1[128:150] != t2[128:150]  # shared blocks, shared prefix
+    # each block plants its marker (2-30 % of its tokens): a 512-token block's most frequent token stands out
+    big = wl.BlockTokens(512, 154880, seed=1).block(3).tolist()
+    assert Counter(big)[wl.prompt_mode(big)] >= 10
+    assert wl.prompt_mode([5, 6, 5, 6]) is None and wl.prompt_mode([5, 6, 5]) == 5
+
+
+def test_storm_is_seeded_zipf_and_outgrows_the_pools():
+    kw = dict(suffixes=3, requests=3000, alpha=1.0, doc_tokens=256, suffix_tokens=40, block_tokens=64)
+    s1, s2 = wl.storm(docs=50, seed=3, **kw), wl.storm(docs=50, seed=3, **kw)
+    assert s1 == s2 and s1 != wl.storm(docs=50, seed=4, **kw)
+    counts = Counter(p.conversation for p in s1)
+    assert counts["d0"] > counts["d1"] > counts["d4"] > counts["d20"]  # Zipf: weight 1 / (rank + 1)
+    assert abs(counts["d0"] / counts["d1"] - 2.0) < 0.35
+    p = s1[0]
+    assert p.tokens == 296 and len(p.blocks) == 5 and p.blocks[:4] == tuple(f"{p.conversation}/{j}" for j in range(4))
+    assert {q.blocks[4] for q in s1 if q.conversation == "d0"} == {"d0/s0/0", "d0/s1/0", "d0/s2/0"}
+    # sized past device + host: 1000 B per token, 2,000 device tokens + 0.5 MB host -> 1.5 x 2.5 MB / 256 KB
+    docs = wl.storm_docs_needed(device_tokens=2000, host_bytes=500_000, kv_bytes_per_token=1000, doc_tokens=256)
+    assert docs == 15  # ceil(1.5 * 2.5e6 / 2.56e5) = ceil(14.6)
+    big = wl.storm(docs=docs, seed=3, **{**kw, "alpha": 0.5})
+    assert wl.distinct_tokens(big, 64) * 1000 > 2000 * 1000 + 500_000
+    with pytest.raises(wl.WorkloadError, match="--doc-tokens 100: must be a multiple of --block-tokens 64"):
+        wl.storm(docs=5, seed=0, **{**kw, "doc_tokens": 100})
+
+
+def _settings(tmp_path, **kw):
+    return tiers.TierSettings(work_dir=str(tmp_path / "work"), host_gb=6, disk_gb=3.0,
+                              free_port=bench.harness.free_port, l3_toml=bench.ttft.write_l3_toml, **kw)
+
+
+def _extra(args):
+    return json.loads(args[args.index("--hicache-storage-backend-extra-config") + 1])
+
+
+def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
+    s = _settings(tmp_path)
+    by = {t.name: t for t in tiers.all_tiers(s)}
+    engines = tiers.read_engines()
+    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "lmcache"] + [
+        f"cp-l3-{e}" for e in engines]
+    cmd = {n: bench.harness.ServerProcess(bench.ttft.MODELS["small"], t.args).command() for n, t in by.items()}
+    for c in cmd.values():
+        assert c[1:3] == ["-m", "sglang.launch_server"] and "--load-format" in c
+    assert "--enable-hierarchical-cache" not in cmd["no-hicache"]
+    hicache = [n for n in by if n not in ("no-hicache", "lmcache")]
+    for n in hicache:  # the same host pool and prefetch policy everywhere
+        c = cmd[n]
+        assert c[c.index("--hicache-size") + 1] == "6"
+        assert c[c.index("--hicache-storage-prefetch-policy") + 1] == "wait_complete"
+    assert "--hicache-storage-backend" not in cmd["hicache-l2"]
+
+    f = by["file"]
+    assert cmd["file"][cmd["file"].index("--hicache-storage-backend") + 1] == "file"
+    assert _extra(f.args) == {"file_storage_path": f.storage_dirs[0], "max_size": 3 * (1 << 30)}
+
+    n = by["nixl"]
+    assert _extra(n.args) == {"use_direct_io": True} and "nixl" in cmd["nixl"]
+    assert n.env == {"SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX",
+                     "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": n.storage_dirs[0]}
+
+    m = by["mooncake"]
+    (master,) = m.services
+    assert master.argv == ["mooncake_master", f"--rpc_port={master.port}", "--enable_offload=true"]
+    cfg = _extra(m.args)
+    assert cfg["master_server_address"] == f"127.0.0.1:{master.port}" and cfg["protocol"] == "tcp"
+    assert cfg["enable_ssd_offload"] is True and cfg["ssd_offload_path"] == m.storage_dirs[0]
+    assert m.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
+    assert "mooncake" in cmd["mooncake"]
+
+    lm = by["lmcache"]
+    (srv,) = lm.services
+    assert srv.argv[:2] == ["lmcache", "server"] and srv.argv[srv.argv.index("--l1-size-gb") + 1] == "6"
+    adapter = json.loads(srv.argv[srv.argv.index("--l2-adapter") + 1])
+    assert adapter == {"type": "fs", "base_path": lm.storage_dirs[0], "max_capacity_gb": 3.0}
+    assert "--enable-lmcache" in cmd["lmcache"] and "--enable-hierarchical-cache" not in cmd["lmcache"]
+    yaml_path = cmd["lmcache"][cmd["lmcache"].index("--lmcache-config-file") + 1]
+    assert lm.files[yaml_path] == f"mp_host: 127.0.0.1\nmp_port: {srv.port}\n"
+
+    for e in engines:
+        t = by[f"cp-l3-{e}"]
+        c = cmd[f"cp-l3-{e}"]
+        assert "--enable-cp-l3" in c and c[c.index("--cp-l3-cold-start") + 1] == "clear"
+        assert t.restart_args[t.restart_args.index("--cp-l3-cold-start") + 1] == "load"
+        assert f"io.read_engine = {e!r}" in t.how
+    for t in by.values():  # a row that cannot run says why and what it would take
+        assert t.how and (t.error is None or t.needs)
+        assert t.storage == (t.name not in ("no-hicache", "hicache-l2"))
+
+
+def test_probe_import_carries_the_exact_error_and_prepare_writes_private_configs(tmp_path):
+    assert tiers.probe_import("json") is None
+    assert tiers.probe_import("no_such_peer_pkg_xyz") == "ModuleNotFoundError: No module named 'no_such_peer_pkg_xyz'"
+    s = _settings(tmp_path)
+    by = {t.name: t for t in tiers.all_tiers(s)}
+    lm = by["lmcache"]
+    os.makedirs(lm.storage_dirs[0])
+    open(os.path.join(lm.storage_dirs[0], "stale.data"), "w").close()
+    tiers.prepare(lm, s)
+    assert os.listdir(lm.storage_dirs[0]) == []  # a tier starts on empty storage
+    (yaml,) = lm.files
+    assert stat.S_IMODE(os.stat(yaml).st_mode) == 0o600
+    ours = by["cp-l3-python"]
+    tiers.prepare(ours, s)
+    from sglang_cp.l3.config import load_l3_config
+
+    cfg = load_l3_config(ours.args[ours.args.index("--cp-l3-config") + 1])
+    assert cfg.io.read_engine == "python" and cfg.disks[0].path == ours.storage_dirs[0]
+
+
+def test_du_cpu_and_side_service_helpers_on_real_files_and_processes(tmp_path):
+    d = tmp_path / "kv"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"x" * 10_000)
+    (d / "sub").mkdir()
+    (d / "sub" / "b.bin").write_bytes(b"y" * 5_000)
+    du = bench.du_bytes([str(d)])
+    assert du["apparent"] == 15_000 and du["files"] == 2 and du["allocated"] >= 12_288
+    c0 = bench.tree_cpu_s([os.getpid()])
+    t = time.process_time()
+    while time.process_time() - t < 0.2:
+        sum(range(1000))
+    assert bench.tree_cpu_s([os.getpid()]) - c0 >= 0.15
+    port = bench.harness.free_port()
+    svc = tiers.Service("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port)
+    running = bench.RunningService(svc, str(tmp_path / "svc.log"), timeout_s=30)
+    running.stop()
+    assert running.proc.returncode is not None  # stopped and reaped within the bound
+    dead = tiers.Service("dead", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], port)
+    with pytest.raises(bench.harness.ServerStartError, match="(?s)dead exited with 3:\n.*bad flag"):
+        bench.RunningService(dead, str(tmp_path / "dead.log"), timeout_s=30)
+
+
+def _rows(ttfts, storage, ids, sent=None, errors=()):
+    out = []
+    for i, (t, s, o) in enumerate(zip(ttfts, storage, ids)):
+        r = {"i": i, "sent_s": (sent or [0.0] * len(ttfts))[i], "ttft_s": t, "latency_s": t + 0.1,
+             "device": 64, "host": 0, "storage": s, "output_ids": o}
+        if i in errors:
+            r = {"i": i, "sent_s": 0.0, "latency_s": 1.0, "error": "OSError: timed out"}
+        out.append(r)
+    return out
+
+
+def synthetic_result():
+    ids = [[7, 7], [8, 8], [9, 9], [5, 5]]
+    prompts = [{"tokens": 256, "blocks": 4, "output_tokens": 2, "at_s": 0.0, "mode": m} for m in (7, 8, 9, None)]
+    ph = lambda rows, wall, du: {"wall_s": wall, "requests": rows, "startup_s": 30.0,  # noqa: E731
+                                 "du": {"allocated": du, "apparent": du, "files": 3},
+                                 "cpu_server_s": 12.5, "cpu_services_s": None}
+    return {"schema": 1, "meta": {"workload": "synthetic", "kv_sensitive": True},
+            "ideal": {"replay": {"token_ratio": 0.5}, "restart": {"token_ratio": 0.75}},
+            "prompts": prompts,
+            "tiers": [
+                {"name": "hicache-l2", "how": "host pool only", "error": None,
+                 "phases": {"replay": ph(_rows([0.1, 0.2, 0.3, 0.4], [0] * 4, ids), 2.0, 0),
+                            "restart": ph(_rows([0.5, 0.5, 0.5, 0.5], [0] * 4, ids), 4.0, 0)}},
+                {"name": "cp-l3-python", "how": "ours", "error": None,
+                 "phases": {"replay": ph(_rows([0.1, 0.1, 0.1, 0.9], [0, 0, 128, 0], ids), 1.0, 2e9),
+                            "restart": ph(_rows([0.2] * 4, [0, 192, 192, 192], [[7, 7], [1, 1], [9, 9], [5, 5]],
+                                                sent=[0.0, 0.5, 1.0, 1.5], errors=(3,)), 2.0, 2e9)}},
+                {"name": "nixl", "how": "POSIX", "error": "ModuleNotFoundError: No module named 'nixl'",
+                 "needs": "pip install nixl", "phases": {}}]}
+
+
+def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
+    res = synthetic_result()
+    rows = {(r["tier"], r["phase"]): r for r in report.summarize(res)}
+    l2, ours = rows[("hicache-l2", "replay")], rows[("cp-l3-python", "replay")]
+    ours_r = rows[("cp-l3-python", "restart")]
+    assert l2["rps"] == 2.0 and ours["rps"] == 4.0 and ours_r["rps"] == 1.5  # 3 answered in 2 s
+    assert abs(l2["ttft_p50"] - 0.25) < 1e-12 and abs(l2["ttft_p90"] - 0.37) < 1e-12  # linear interpolation
+    assert abs(ours["ttft_p99"] - (0.1 + 0.8 * 0.97)) < 1e-12
+    assert ours["storage"] == 128 and ours["device"] == 256 and ours["hit_ratio"] == 384 / 1024
+    assert ours["ideal_ratio"] == 0.5 and ours_r["ideal_ratio"] == 0.75
+    assert (ours["ids_differ"], ours["ids_compared"], ours["reference"]) == (0, 4, "hicache-l2")
+    assert (ours_r["ids_differ"], ours_r["ids_compared"], ours_r["errors"]) == (1, 3, 1)
+    assert ours_r["first_storage_hit_s"] == 0.5 + 0.3  # the second request: sent at 0.5 s, answered 0.3 s later
+    assert ours_r["storage"] == 384 and ours_r["hit_ratio"] == 0.75
+    assert (ours_r["mode_ok"], ours_r["mode_checked"]) == (2, 3)  # prompt 1 answered 1, not its mode 8
+    assert rows[("nixl", None)]["error"].startswith("ModuleNotFoundError")
+
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(res))
+    out = tmp_path / "out"
+    assert bench.main(["report", str(path), "--out-dir", str(out)]) == 0
+    md = (out / "peers.md").read_text()
+    assert "| cp-l3-python | restart | 1.50 | 0.200 | 0.200 | 0.200 | 192 | 0 | 384 | 0.750 (0.750) | 2.00 | " \
+           "12.5 + 0.0 | 1 / 3 | 30.0 | 0.80 |" in md
+    assert "| hicache-l2 | replay | 2.00 |" in md and "0 / 4 (ref)" in md
+    assert "| nixl | - | not run: ModuleNotFoundError: No module named 'nixl' |" in md
+    assert "- `nixl`: ModuleNotFoundError: No module named 'nixl' -- needs pip install nixl" in md
+    assert "- `cp-l3-python`: ours" in md
+    for name in report.FILES[1:]:
+        assert (out / name).stat().st_size > 10_000, name
+
+
+def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
+    """drive() over the harness's real streaming client, against a local HTTP endpoint that answers like
+    /generate (SSE chunks, then [DONE]): rows in prompt order, cache sources and ids per request, the
+    closed loop holding `concurrency` requests in flight, the open loop sending at the prompts' offsets,
+    a failed request kept as a row with its error."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    state = {"inflight": 0, "peak": 0}
+    lock = threading.Lock()
+
+    class Generate(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ids = body["input_ids"]
+            with lock:
+                state["inflight"] += 1
+                state["peak"] = max(state["peak"], state["inflight"])
+            time.sleep(0.05)
+            with lock:
+                state["inflight"] -= 1
+            if len(ids) == 13:
+                self.send_response(500)
+                self.end_headers()
+                return
+            chunk = {"output_ids": [len(ids), body["sampling_params"]["max_new_tokens"]],
+                     "meta_info": {"cached_tokens": len(ids) // 2,
+                                   "cached_tokens_details": {"device": 1, "host": 2, "storage": len(ids) // 2 - 3}}}
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Generate)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        srv = bench.harness.ServerProcess("unused", port=httpd.server_address[1])
+        tokens = wl.BlockTokens(16, 1000, seed=0)
+        prompts = [wl.Prompt((i, i + 1), 20 + i, 3, at_s=0.15 * i) for i in range(6)]
+        rows, wall = bench.drive(srv, prompts, tokens, "closed", 2, 30, 8)
+        assert [r["i"] for r in rows] == list(range(6)) and state["peak"] == 2
+        assert [r["output_ids"] for r in rows] == [[20 + i, 3] for i in range(6)]
+        assert [(r["device"], r["host"], r["storage"]) for r in rows] == [(1, 2, (20 + i) // 2 - 3) for i in range(6)]
+        assert all(r["ttft_s"] <= r["latency_s"] < wall for r in rows)
+        state["peak"] = 0
+        rows, wall = bench.drive(srv, prompts + [wl.Prompt((9,), 13, 1, at_s=0.8)], tokens, "open", 0, 30, 8)
+        assert all(0 <= r["late_s"] < 0.1 for r in rows) and wall >= 0.8, [r["late_s"] for r in rows]
+        assert [round(r["sent_s"] - r["late_s"], 2) for r in rows] == [0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.8]
+        assert rows[6]["error"].startswith("HTTPError") and "500" in rows[6]["error"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
