@@ -258,13 +258,18 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
         for L in lengths:
             for i, p in enumerate(P[L]):
                 before = b.metrics_text()
+                c0 = server_cpu_s(b)
                 r = b.generate(p, 1)
+                cpu = server_cpu_s(b) - c0
                 row = rec(r, L)
+                row["cpu_s"] = cpu
                 time.sleep(1.2)  # the cp_l3 counters are published every second
                 row.update(store_deltas(before, b.metrics_text()))
                 rows["l3"].append(row)
+                c0 = server_cpu_s(b)
                 d = b.generate(p, 1)
-                rows["device"].append(rec(d, L))
+                cpu = server_cpu_s(b) - c0
+                rows["device"].append({**rec(d, L), "cpu_s": cpu})
                 log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
                     f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s; stages {stage_line(row)}"
                     + ("" if r.storage_tokens else "  NOT SERVED FROM L3 (left out of the table; see metrics_B)"))
@@ -354,6 +359,28 @@ STORE_COUNTERS = {"reload_bytes": "sglang:cp_l3_reload_bytes_total", "read_s": "
 STORE_TIMES = ("read_s", "hitq_s")
 
 
+def server_cpu_s(server) -> float:
+    """CPU seconds (user + system) the server's whole process tree has used so far: the launcher, the
+    scheduler with upstream's storage threads and our store's I/O threads, the detokenizer. A restore's
+    CPU is the difference around its request, less that of the device hit of the same prompt (the
+    scheduler's own loop and the forward run in both)."""
+    import psutil
+
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            continue
+    return total
+
+
 def store_deltas(before_text: str, after_text: str) -> dict:
     """The store's counters for one request, from /metrics before and after it: bytes and calls summed over
     the ranks, seconds the slowest rank's (one rank: the same thing)."""
@@ -410,6 +437,10 @@ def summarize(res: dict) -> list:
             "read_s": med([r["read_s"] for r, _f in served]),
             "hit_query_s": med([r.get("hitq_s", 0.0) for r, _f in served]),
             "outside_store_s": med(outside),
+            # the restore's CPU beyond the device hit of the same prompt, per GB restored (all processes)
+            "restore_cpu_s_per_gb": med([(r["cpu_s"] - f["cpu_s"]) / (r["reload_bytes"] / GB)
+                                         for r, f in restored if r.get("cpu_s") is not None
+                                         and f.get("cpu_s") is not None and r["reload_bytes"] > 0]),
             # upstream's per-request stages of the restores and of the device hits that follow them
             "stages": {path: {k: med([r[k] for r in rows if r.get(k) is not None]) for k in STAGES}
                        for path, rows in (("l3", [r for r, _f in served]), ("device", [f for _r, f in served]))},
@@ -449,7 +480,7 @@ def render(results: list, out_dir: str) -> None:
     rows = [r for res in results for r in summarize(res)]
     head = ["model", "tokens", "recompute TTFT s", "L2 hit TTFT s", "L3 restore TTFT s", "L3 vs recompute",
             "device-hit TTFT s", "restored GB", "restore GB/s", "raw read GB/s", "restore x raw",
-            "store read GB/s", "store x raw", "restore - device - store s", "same token"]
+            "store read GB/s", "store x raw", "restore - device - store s", "restore CPU s/GB", "same token"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
@@ -460,7 +491,7 @@ def render(results: list, out_dir: str) -> None:
             fmt(r["restore_gbps"]), f"{r['raw_read_gbps']:.2f}",
             f"{r['restore_x_raw']:.2f}x" if r["restore_x_raw"] else "-",
             fmt(r.get("store_read_gbps")), f"{r['store_x_raw']:.2f}x" if r.get("store_x_raw") else "-",
-            fmt(r.get("outside_store_s")),
+            fmt(r.get("outside_store_s")), fmt(r.get("restore_cpu_s_per_gb")),
             {True: "yes", False: "NO", None: "-"}[r["same_first_token"]]]) + " |")
     table = "\n".join(lines)
     stages = stages_table(rows)
@@ -526,7 +557,8 @@ def main(argv=None):
     r.add_argument("--server-arg", action="append", metavar="ARG",
                    help="one more launch_server argument, repeatable (e.g. --server-arg=--chunked-prefill-size=16384)")
     r.add_argument("--io-threads", type=int, default=8)
-    r.add_argument("--read-engine", default="python", choices=["python", "native"], help="io.read_engine of L3")
+    r.add_argument("--read-engine", default="python", choices=["python", "native", "uring"],
+                   help="io.read_engine of L3")
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--spill-timeout", type=float, default=300)
