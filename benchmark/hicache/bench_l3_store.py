@@ -20,7 +20,7 @@ on CPU; pool A holds random data, pool B receives every read, and every read is 
 
 The page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`) before every cold read.
 Medians of --reps runs with min-max; the order of paths rotates per rep. GB = 1e9 B.
-Run: python benchmark/hicache/bench_l3_store.py --dir /path/on/real/disk [--quick]
+Run: python -m benchmark.hicache.bench_l3_store --dir /path/on/real/disk [--quick]
 """
 
 from __future__ import annotations
@@ -31,23 +31,21 @@ import gc
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
-from rich.console import Console  # noqa: E402
-from rich.markup import escape  # noqa: E402
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # noqa: E402  (the backend's write bound)
-from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
-from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
+from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # (the backend's write bound)
+from sglang_cp.cachebench.rawdisk import drop_caches
+from sglang_cp.l3 import L3Store, parse_l3_config
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
 PAGE_TOKENS = 64

@@ -3,7 +3,7 @@
 import textwrap
 
 from suite_helpers import run_py
-from cp_harness import PAGE, run_ranks
+from benchmark.support.cp_harness import PAGE, run_ranks
 from cp_scenarios import forced_phase_probe
 from sglang_cp.cli import write_demo_config
 from sglang_cp.integration.l3_prefetch_rotation import forced_phase, stamp_base

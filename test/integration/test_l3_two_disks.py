@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from cp_harness import run_ranks
+from benchmark.support.cp_harness import run_ranks
 from cp_scenarios import roundtrip
 
 CONFIG = """\
