@@ -4,7 +4,7 @@ A child process writes pages of two payloads under load (async submit, acks drai
 mixed in) and logs every key it saw acked DURABLE. The parent SIGKILLs it at a random point, reopens
 the store with cold_start="load" in this process and checks: every page acked DURABLE before the kill
 is recovered with exactly its bytes; no page is ever served with wrong bytes; no two index entries share
-a slot and the slot pool matches the index. The next child continues on the same files.
+a slot and the slot allocator matches the index. The next child continues on the same files.
 
 A SIGKILL keeps the page cache, so it cannot catch a missing flush. The power-loss runs preload a shim
 into the child (l3_powerloss.c) that journals every write to the slabs and to LMDB's data.mdb; after

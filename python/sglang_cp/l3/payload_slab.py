@@ -13,10 +13,10 @@ from .disk_slab import DiskSlab
 from .errors import L3InvariantError
 from .gc import PageLRU
 from .index import IndexEntry
-from .slot_pool import SlotPool
+from .slot_allocator import SlotAllocator
 
 
-class PayloadPool:
+class PayloadSlab:
     def __init__(self, name: str, page_bytes: int, rank: int, slab: DiskSlab):
         self.name = name
         self.tag = payload_tag(name)
@@ -24,7 +24,7 @@ class PayloadPool:
         self.extent = write_extent(page_bytes)
         self.rank = rank
         self.slab = slab
-        self.slots = SlotPool(slab.num_slots, name)
+        self.slots = SlotAllocator(slab.num_slots, name)
         self.lru = PageLRU()
         self.owner: dict[int, bytes] = {}
 
