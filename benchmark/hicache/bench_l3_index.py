@@ -45,7 +45,7 @@ import numpy as np
 from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme
 from sglang_cp.cachebench.rawdisk import drop_caches
 from sglang_cp.l3 import L3Store, parse_l3_config
-from sglang_cp.l3.blob import key_digests, payload_tag
+from sglang_cp.l3.blob import ALIGN, key_digests, payload_tag
 from sglang_cp.l3.native_digest import native_digests
 from sglang_cp.l3.index import IndexEntry, SharedIndex, key_prefix
 
@@ -132,8 +132,8 @@ def raw_io(d: str, pages: list, page_bytes: int, threads: int) -> tuple[float, f
 
 
 def aligned(nbytes: int) -> np.ndarray:
-    buf = np.empty(nbytes + 4096, np.uint8)
-    off = (-buf.ctypes.data) % 4096
+    buf = np.empty(nbytes + ALIGN, np.uint8)
+    off = (-buf.ctypes.data) % ALIGN
     return buf[off:off + nbytes]
 
 

@@ -57,6 +57,7 @@ def buffer(nbytes: int) -> np.ndarray:
 def rank_main(rank, args, page_bytes, n, threads, paths, root, start, done, out):  # noqa: C901
     from sglang_cp.cachebench.rawdisk import drop_caches
     from sglang_cp.l3 import L3Store, parse_l3_config
+    from sglang_cp.l3.blob import write_extent
 
     d = os.path.join(root, f"rank{rank}")
     src = buffer(n * page_bytes)
@@ -65,7 +66,7 @@ def rank_main(rank, args, page_bytes, n, threads, paths, root, start, done, out)
     pages = [src[i * page_bytes:(i + 1) * page_bytes] for i in range(n)]
     outs = [dst[i * page_bytes:(i + 1) * page_bytes] for i in range(n)]
     keys = [b"r%d-p%d" % (rank, i) for i in range(n)]
-    slot = (page_bytes + 64 + 4095) // 4096 * 4096
+    slot = write_extent(page_bytes)
     stores = {}
     for engine in ("python", "native"):
         if engine not in paths:

@@ -46,6 +46,7 @@ from rich.table import Table
 from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # (the backend's write bound)
 from sglang_cp.cachebench.rawdisk import drop_caches
 from sglang_cp.l3 import L3Store, parse_l3_config
+from sglang_cp.l3.blob import write_extent
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
 PAGE_TOKENS = 64
@@ -135,7 +136,7 @@ def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):  # noqa: C90
     root = os.path.join(d, "ours")
     os.makedirs(os.path.join(root, "idx"), exist_ok=True)
     os.makedirs(os.path.join(root, "disk"), exist_ok=True)
-    slot = (page_bytes + 64 + 4095) // 4096 * 4096
+    slot = write_extent(page_bytes)
     cfg = parse_l3_config({
         "index": {"dir": os.path.join(root, "idx"), "map_size_gb": 0.064},
         "io": {"threads": threads, "max_inflight_pages": staging_pages(page_bytes)},

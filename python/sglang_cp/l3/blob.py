@@ -18,7 +18,7 @@ MAGIC = b"CPL3"
 # 2: the digest names (rank, key), shared by every payload of the key (1: one per payload); see key_digest.
 VERSION = 2
 HEADER_BYTES = 64
-ALIGN = 4096
+ALIGN = 4096  # O_DIRECT's unit: every slot, extent, file offset and I/O buffer is a multiple of it
 _FMT = struct.Struct("<4sHHIIIIQ16sQI")  # everything except the trailing header CRC
 assert _FMT.size == HEADER_BYTES - 4
 

@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the project runs on 3.11; tomli is the backport
     import tomli as tomllib
 
+from .blob import ALIGN
 from .devices import shared_device_pairs
 from .errors import L3ConfigError
 from .plp import PlpProbe, probe_write_cache
@@ -27,7 +28,6 @@ from .plp import PlpProbe, probe_write_cache
 logger = logging.getLogger(__name__)
 
 GB = 10**9
-ALIGN = 4096
 SLAB_SUBDIR = "sglang-cp-l3"  # the store's directory under each disk path
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")

@@ -39,8 +39,8 @@ import stat
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from .aligned import ALIGN, aligned_buffer
-from .blob import (HEADER_BYTES, BlobError, crc32c, header_block, parse_header, payload_tag,
+from .aligned import aligned_buffer
+from .blob import (ALIGN, HEADER_BYTES, BlobError, crc32c, header_block, parse_header, payload_tag,
                    write_extent)
 from .config import L3Config
 from .index import IndexEntry, LmdbIndex, SharedIndex, ikey_digest
