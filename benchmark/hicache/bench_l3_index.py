@@ -45,9 +45,9 @@ import numpy as np
 from sglang_cp.integration.l3_keys import KeyIdentity, KeyScheme
 from sglang_cp.cachebench.rawdisk import drop_caches
 from sglang_cp.l3 import L3Store, parse_l3_config
-from sglang_cp.l3.blob import ALIGN, key_digests, payload_tag
-from sglang_cp.l3.native_digest import native_digests
-from sglang_cp.l3.index import IndexEntry, SharedIndex, key_prefix
+from sglang_cp.l3.format.blob import ALIGN, key_digests, payload_tag
+from sglang_cp.l3.native.digests import native_digests
+from sglang_cp.l3.format.index import IndexEntry, SharedIndex, key_prefix
 
 PAYLOADS = {"kv": 4096, "indexer": 4096}
 BIG = 1 << 20  # spill/reload pages (a second store, rank 1, on its own directory)

@@ -57,7 +57,7 @@ def buffer(nbytes: int) -> np.ndarray:
 def rank_main(rank, args, page_bytes, n, threads, paths, root, start, done, out):  # noqa: C901
     from sglang_cp.cachebench.rawdisk import drop_caches
     from sglang_cp.l3 import L3Store, parse_l3_config
-    from sglang_cp.l3.blob import write_extent
+    from sglang_cp.l3.format.blob import write_extent
 
     d = os.path.join(root, f"rank{rank}")
     src = buffer(n * page_bytes)

@@ -46,7 +46,7 @@ from rich.table import Table
 from sglang_cp.integration.l3_storage_backend import WRITE_TIMEOUT_S  # (the backend's write bound)
 from sglang_cp.cachebench.rawdisk import drop_caches
 from sglang_cp.l3 import L3Store, parse_l3_config
-from sglang_cp.l3.blob import write_extent
+from sglang_cp.l3.format.blob import write_extent
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
 PAGE_TOKENS = 64

@@ -100,7 +100,7 @@ def check_hooks() -> Iterable[Row]:
 
 def probe_odirect(directory: str) -> tuple[bool, str]:
     """Write, fdatasync and read back one 4 KiB block with O_DIRECT in ``directory``."""
-    from sglang_cp.l3.blob import ALIGN
+    from sglang_cp.l3.format.blob import ALIGN
 
     path = os.path.join(directory, f".sglang-cp-odirect-probe-{uuid.uuid4().hex}")
     buf = mmap.mmap(-1, ALIGN)
@@ -226,7 +226,7 @@ def _native_digest_row(threads: int) -> Row:
     """index.digest_threads > 0: load the native hasher as the server will and check it against
     hashlib, so an installation without the native library fails here rather than at the server's start."""
     from sglang_cp.l3.errors import L3StartupError
-    from sglang_cp.l3.native_digest import native_digests
+    from sglang_cp.l3.native.digests import native_digests
 
     item = f"digest_threads = {threads}"
     try:
@@ -248,8 +248,8 @@ def _slab_space(sub: str) -> tuple[int, list[tuple[str, int, str]]]:
     slot size of the same rank and payload (left by an earlier config) is never reopened, nor is a file
     only named like a slab; of several, the most recently written is the one in use. Other namespaces'
     files are other servers': neither reusable nor stale here."""
-    from sglang_cp.l3.blob import ALIGN
-    from sglang_cp.l3.fsck import SLAB_NAME
+    from sglang_cp.l3.format.blob import ALIGN
+    from sglang_cp.l3.tools.fsck import SLAB_NAME
 
     try:
         names = os.listdir(sub)

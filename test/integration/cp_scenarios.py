@@ -82,7 +82,7 @@ def skew(rank, world, rendezvous, l3_config, n_pages, slow_rank, fail_rank, fail
         hi = r.alloc_host(n_pages * PAGE, start_owner=0)
         owned_logical = [i for i in range(n_pages) if r.owner_of_page_start(int(hi[i * PAGE])) == rank]
         if rank == fail_rank:
-            slab = store.state.pools["kv"].slab  # the store's own fault seam (l3/disk_slab.py)
+            slab = store.state.pools["kv"].slab  # the store's own fault seam (l3/format/disk_slab.py)
             bad = {"slot": None, "seen": 0}
 
             def inject(op, _slab, slot):

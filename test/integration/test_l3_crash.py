@@ -39,14 +39,14 @@ CHILD = textwrap.dedent("""
     root, gen, gc, cap = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", float(sys.argv[5])
     red = os.environ.get("L3_CRASH_RED")  # RED runs: remove one flush, as a regression would
     if red == "slab":
-        from sglang_cp.l3.disk_slab import DiskSlab
+        from sglang_cp.l3.format.disk_slab import DiskSlab
         DiskSlab.sync = lambda self: None
     elif red == "index":
         import lmdb
         _open = lmdb.open
         lmdb.open = lambda *a, **kw: _open(*a, **dict(kw, sync=False, metasync=False))
     elif red == "dirsync":  # the new slab's directory entry never flushed (the cold-start record's
-        import sglang_cp.l3.disk_slab as ds  # rename flushes that directory too, and may fail: off too)
+        import sglang_cp.l3.format.disk_slab as ds  # rename flushes that directory too, and may fail: off too)
         import sglang_cp.l3.state as st
         ds.fsync_dir = lambda path: None
         st.write_cold_start_record = lambda *a: None

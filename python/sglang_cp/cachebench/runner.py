@@ -21,7 +21,7 @@ from rich.markup import escape
 from sglang_cp.cachebench.cp_testbed import PAGE, RANK_START, RankDied, run_ranks
 from sglang_cp.display import rel
 from sglang_cp.l3 import load_l3_config
-from sglang_cp.l3.blob import ALIGN
+from sglang_cp.l3.format.blob import ALIGN
 from sglang_cp.l3.recovery import COLD_START_MODES, DEFAULT_COLD_START
 
 from . import rawdisk, report, soak

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from .held import HeldDigests
-from .index import IndexEntry, ikey_digest
+from .format.index import IndexEntry, ikey_digest
 
 
 class PageLRU:

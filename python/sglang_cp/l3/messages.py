@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
 from .acks import OpState
-from .index import IndexEntry
+from .format.index import IndexEntry
 from .payload_slab import PayloadSlab
 from .staging import Staging
 

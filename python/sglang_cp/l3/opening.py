@@ -12,15 +12,15 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .blob import write_extent
+from .format.blob import write_extent
 from .config import SLAB_SUBDIR, L3Config
-from .disk_slab import DiskSlab, FaultInjector
+from .format.disk_slab import DiskSlab, FaultInjector
 from .errors import L3StartupError
-from .files import private_dir, private_dirs
+from .format.files import private_dir, private_dirs
 from .held import HeldDigests
-from .index import MAX_RANKS, IndexFull, IndexUnavailable, SharedIndex
-from .native_digest import native_digests
-from .ownership import RankLock
+from .format.index import MAX_RANKS, IndexFull, IndexUnavailable, SharedIndex
+from .native.digests import native_digests
+from .format.ownership import RankLock
 from .payload_slab import PayloadSlab
 from .recovery import check_mode, run_cold_start
 from .staging import Staging
@@ -101,7 +101,7 @@ def open_state(config: L3Config, rank: int, ranks_per_node: int, payloads: dict[
     # nothing to undo).
     native = native_digests(config.index.digest_threads)
     # Exclusive ownership of this rank's slabs and index entries before anything destructive (slab
-    # truncation, cold start), held until close(): a second opener fails here (l3/ownership.py).
+    # truncation, cold start), held until close(): a second opener fails here (l3/format/ownership.py).
     owner = owner or f"L3 rank {rank}"
     if config.namespace:
         owner += f", namespace '{config.namespace}'"

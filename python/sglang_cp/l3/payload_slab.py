@@ -6,13 +6,13 @@ start). Slot I/O (`seal_*`, `verify_landed`) runs on I/O threads and touches onl
 
 from __future__ import annotations
 
-from .aligned import BounceBuffers, address_of
-from .blob import (ALIGN, HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
+from .format.aligned import BounceBuffers, address_of
+from .format.blob import (ALIGN, HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
                    parse_header, payload_tag, write_extent)
-from .disk_slab import DiskSlab
+from .format.disk_slab import DiskSlab
 from .errors import L3InvariantError
 from .gc import PageLRU
-from .index import IndexEntry
+from .format.index import IndexEntry
 from .slot_allocator import SlotAllocator
 
 

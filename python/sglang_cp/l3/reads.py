@@ -6,7 +6,7 @@ read I/O thread. land (I/O thread): one preadv of whole slot extents into a land
 owns; a failed or short run is read again page by page. verify + deliver (finisher thread): header
 identity and payload CRC32C per page, then a copy into the caller's buffer, unless the caller gave up.
 So a read that never comes back cannot touch the caller's pages, and the I/O thread's next preadv does
-not wait for the copy. With io.read_engine = "native" (native_reads.py) land, verify and deliver are one
+not wait for the copy. With io.read_engine = "native" (native/reads.py) land, verify and deliver are one
 C call per run on the I/O thread, chunk by chunk, and the caller's pages are written only through the
 op's gate, which OpState closes at the caller's bound; the index lookup, permits, results and bad-page
 handling here are shared by both engines.
@@ -27,13 +27,13 @@ import numpy as np
 
 from . import native
 from .acks import AckKind, OpState
-from .aligned import huge_aligned_view
-from .blob import BlobError
+from .format.aligned import huge_aligned_view
+from .format.blob import BlobError
 from .errors import L3InvariantError
-from .index import IndexEntry, IndexFull, IndexUnavailable, index_key
+from .format.index import IndexEntry, IndexFull, IndexUnavailable, index_key
 from .io_threads import IoThreads
 from .messages import Drop
-from .native_reads import NativeReader
+from .native.reads import NativeReader
 from .payload_slab import PayloadSlab
 from .staging import Tokens
 from .state import CONTROL_TIMEOUT_S, StoreState, page_view
@@ -53,7 +53,7 @@ class ReadPath:
     def __init__(self, st: StoreState):
         self.st = st
         threads = st.config.io.threads
-        # io.read_engine = "native": each run is one C call on its I/O thread (native_reads.py), with a
+        # io.read_engine = "native": each run is one C call on its I/O thread (native/reads.py), with a
         # chunk buffer per thread instead of landing areas and no finisher hop.
         self._native = NativeReader(threads) if st.config.io.read_engine == "native" else None
         # Where reads land before they are copied out, allocated (and faulted in: first touch is slow on

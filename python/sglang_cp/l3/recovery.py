@@ -17,9 +17,9 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .aligned import BounceBuffers
-from .blob import BlobError, check_identity
-from .index import IndexEntry, LmdbIndex, ikey_digest
+from .format.aligned import BounceBuffers
+from .format.blob import BlobError, check_identity
+from .format.index import IndexEntry, LmdbIndex, ikey_digest
 from .payload_slab import PayloadSlab
 
 # The modes and the default of --cp-l3-cold-start, of L3Store(cold_start=) and of cachebench: defined

@@ -44,14 +44,14 @@ import time
 from typing import Callable, Optional
 
 from .acks import Ack, AckKind, OpState
-from .blob import key_digester, key_digests
+from .format.blob import key_digester, key_digests
 from .config import L3Config
 from .errors import L3InvariantError
 from .held import HeldDigests
-from .index import IndexEntry, LmdbIndex
+from .format.index import IndexEntry, LmdbIndex
 from .io_threads import IoThreads
 from .messages import Clear, Delete, Message, Stop, Touch, WriteBatch, WriteTask
-from .ownership import RankLock
+from .format.ownership import RankLock
 from .payload_slab import PayloadSlab
 from .ratelog import RateLimitedLog
 from .recovery import write_record as write_cold_start_record

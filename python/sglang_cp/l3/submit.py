@@ -14,8 +14,8 @@ from typing import Optional
 import numpy as np
 
 from .acks import AckKind, OpState
-from .blob import crc32c
-from .index import IndexUnavailable, index_key
+from .format.blob import crc32c
+from .format.index import IndexUnavailable, index_key
 from .messages import WriteBatch, WriteTask
 from .payload_slab import PayloadSlab
 from .state import StoreState, page_view

@@ -20,7 +20,7 @@ from .acks import AckKind
 from .commit import GroupCommitter
 from .errors import L3InvariantError
 from .gc import WatermarkPolicy
-from .index import IndexEntry, IndexFull, IndexUnavailable
+from .format.index import IndexEntry, IndexFull, IndexUnavailable
 from .io_threads import IoThreads
 from .messages import Clear, CommitJob, Committed, Delete, Drop, IoDone, Reply, Stop, WriteBatch, WriteTask
 from .payload_slab import PayloadSlab

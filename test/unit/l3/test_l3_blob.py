@@ -5,7 +5,7 @@ import struct
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sglang_cp.l3.blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, default_slot_bytes,
+from sglang_cp.l3.format.blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, default_slot_bytes,
                                header_block, key_digest, pack_header, parse_header, payload_tag, write_extent)
 from sglang_cp.l3.errors import L3InvariantError
 from sglang_cp.l3.slot_allocator import SlotAllocator

@@ -21,11 +21,11 @@ from typing import Optional
 
 import numpy as np
 
-from . import native
-from .aligned import address_of, huge_aligned_view
-from .errors import L3InvariantError
-from .payload_slab import PayloadSlab
-from .state import CONTROL_TIMEOUT_S
+from .. import native
+from ..format.aligned import address_of, huge_aligned_view
+from ..errors import L3InvariantError
+from ..payload_slab import PayloadSlab
+from ..state import CONTROL_TIMEOUT_S
 
 FIELD = "io.read_engine"
 # Bytes read, checksummed and copied per step. Large enough that each pread is one efficient device
