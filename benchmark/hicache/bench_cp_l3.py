@@ -36,7 +36,7 @@ tmpfs accepts O_DIRECT (``/dev/shm``); on older kernels use ext4 on a loop file 
 (``scripts/ram_disk.sh`` sets up either and prints the directory). The raw rows then measure memory
 copies, and "x raw" says how much of the machine the software leaves on the table.
 
-    python benchmark/hicache/bench_cp_l3.py [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
+    python -m benchmark.hicache.bench_cp_l3 [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
         [--cp 1,2,4[,8]] [--read-engine python|native|both] [--backup-ack durable|written|operation|both|LIST]
         [--zero-copy off|on|both] [--phases] [--no-file]
 """
@@ -54,12 +54,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "test", "integration"))
-sys.path.insert(1, HERE)
+if not __package__:  # run as a file: the repository root is not on sys.path, so benchmark.* is not importable
+    sys.exit("bench_cp_l3: run it from the repository root as a module: python -m benchmark.hicache.bench_cp_l3")
 
-import pyspy_profile  # noqa: E402  (--profile)
-from cp_harness import PAGE, Rank, run_ranks  # noqa: E402
+from benchmark.hicache import pyspy_profile  # noqa: E402  (--profile)
+from benchmark.support.cp_harness import GLM5_KV_LORA, GLM5_ROPE, PAGE, Rank, run_ranks, tokens_for  # noqa: E402
 
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
 from sglang_cp.l3.config import BACKUP_ACKS  # noqa: E402
@@ -150,8 +149,6 @@ class PhaseProbes:
 def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,
                phases=False, profile=None):
     import contextlib
-
-    from cp_scenarios import tokens_for
 
     # Under sharding a rank's host (and device) pool holds its own stripe; logical capacity is x world.
     host_pages = (-(-n_pages // world) if sharded else n_pages) + 8
@@ -253,8 +250,6 @@ def cpu_s() -> float:
 
 
 def page_nbytes(layers: int) -> int:
-    from cp_harness import GLM5_KV_LORA, GLM5_ROPE
-
     return PAGE * (GLM5_KV_LORA + GLM5_ROPE) * 2 * layers  # bf16 MLA rows, page_first: one page = all layers
 
 

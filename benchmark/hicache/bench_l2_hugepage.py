@@ -11,7 +11,7 @@ DSA indexer pool (132 B/token/layer), 78 layers, page 64, page_first layout (one
 Both sides use the same copy planner (sglang_cp.l2.page_copy); the only difference is
 the host memory: ``torch.empty(pin_memory=True)`` vs our registered hugetlbfs slabs.
 
-    python benchmark/hicache/bench_l2_hugepage.py --hugetlbfs-dir /mnt/huge --max-slab-gb 4
+    python -m benchmark.hicache.bench_l2_hugepage --hugetlbfs-dir /mnt/huge --max-slab-gb 4
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
-from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config, slabs_of  # noqa: E402
-from sglang_cp.l2.page_copy import copy_pages, plan_copies  # noqa: E402
-from sglang_cp.l2.registration import register_mapping  # noqa: E402
+from sglang_cp.l2.allocator import HugepageHostAllocator, HugepageL2Config, slabs_of
+from sglang_cp.l2.page_copy import copy_pages, plan_copies
+from sglang_cp.l2.registration import register_mapping
 
 try:
     from rich.console import Console

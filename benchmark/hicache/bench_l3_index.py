@@ -26,7 +26,7 @@ pages), one run:
 Every figure: median with p99 and min-max over --runs repetitions. The index lives in page cache
 (it was just written; a serving node's index is hot). The index is deleted after each size.
 
-    python benchmark/hicache/bench_l3_index.py --dir /var/tmp/l3idx [--sizes 1000000,5000000,20000000]
+    python -m benchmark.hicache.bench_l3_index --dir /var/tmp/l3idx [--sizes 1000000,5000000,20000000]
 """
 
 from __future__ import annotations
@@ -35,21 +35,19 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
-from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme  # noqa: E402
-from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
-from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
-from sglang_cp.l3.blob import key_digests, payload_tag  # noqa: E402
-from sglang_cp.l3.native_digest import native_digests  # noqa: E402
-from sglang_cp.l3.index import IndexEntry, SharedIndex, key_prefix  # noqa: E402
+from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme
+from sglang_cp.cachebench.rawdisk import drop_caches
+from sglang_cp.l3 import L3Store, parse_l3_config
+from sglang_cp.l3.format.blob import ALIGN, key_digests, payload_tag
+from sglang_cp.l3.native.digests import native_digests
+from sglang_cp.l3.format.index import IndexEntry, SharedIndex, key_prefix
 
 PAYLOADS = {"kv": 4096, "indexer": 4096}
 BIG = 1 << 20  # spill/reload pages (a second store, rank 1, on its own directory)
@@ -134,8 +132,8 @@ def raw_io(d: str, pages: list, page_bytes: int, threads: int) -> tuple[float, f
 
 
 def aligned(nbytes: int) -> np.ndarray:
-    buf = np.empty(nbytes + 4096, np.uint8)
-    off = (-buf.ctypes.data) % 4096
+    buf = np.empty(nbytes + ALIGN, np.uint8)
+    off = (-buf.ctypes.data) % ALIGN
     return buf[off:off + nbytes]
 
 

@@ -16,7 +16,7 @@ On a disk the ratios say whether the store keeps up with the device; with --dir 
 O_DIRECT on Linux >= 6.6, or `scripts/ram_disk.sh`) the raw path is a memory copy and the ratios say how
 much of the machine the software itself leaves unused.
 
-    python benchmark/hicache/bench_l3_read.py --dir DIR [--page-sizes 2359296,5750784] [--gib 1]
+    python -m benchmark.hicache.bench_l3_read --dir DIR [--page-sizes 2359296,5750784] [--gib 1]
         [--threads 4,16] [--ranks 1] [--engines python,native] [--reps 3] [--json OUT] [--quick]
 """
 
@@ -29,14 +29,12 @@ import os
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 BATCH = 128  # upstream's storage batch: one read_pages call per batch, as the backend makes them
 PAGE_SMALL, PAGE_GLM5 = 32 * 64 * 1152, 78 * 64 * 1152  # 32-layer and GLM-5 (78-layer) MLA pages, bf16
@@ -59,6 +57,7 @@ def buffer(nbytes: int) -> np.ndarray:
 def rank_main(rank, args, page_bytes, n, threads, paths, root, start, done, out):  # noqa: C901
     from sglang_cp.cachebench.rawdisk import drop_caches
     from sglang_cp.l3 import L3Store, parse_l3_config
+    from sglang_cp.l3.format.blob import write_extent
 
     d = os.path.join(root, f"rank{rank}")
     src = buffer(n * page_bytes)
@@ -67,7 +66,7 @@ def rank_main(rank, args, page_bytes, n, threads, paths, root, start, done, out)
     pages = [src[i * page_bytes:(i + 1) * page_bytes] for i in range(n)]
     outs = [dst[i * page_bytes:(i + 1) * page_bytes] for i in range(n)]
     keys = [b"r%d-p%d" % (rank, i) for i in range(n)]
-    slot = (page_bytes + 64 + 4095) // 4096 * 4096
+    slot = write_extent(page_bytes)
     stores = {}
     for engine in ("python", "native"):
         if engine not in paths:

@@ -20,7 +20,7 @@ on CPU; pool A holds random data, pool B receives every read, and every read is 
 
 The page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`) before every cold read.
 Medians of --reps runs with min-max; the order of paths rotates per rep. GB = 1e9 B.
-Run: python benchmark/hicache/bench_l3_store.py --dir /path/on/real/disk [--quick]
+Run: python -m benchmark.hicache.bench_l3_store --dir /path/on/real/disk [--quick]
 """
 
 from __future__ import annotations
@@ -31,23 +31,22 @@ import gc
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 
-from rich.console import Console  # noqa: E402
-from rich.markup import escape  # noqa: E402
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from sglang_cp.integration.cp_l3.backend import WRITE_TIMEOUT_S  # noqa: E402  (the backend's write bound)
-from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
-from sglang_cp.l3 import L3Store, parse_l3_config  # noqa: E402
+from sglang_cp.integration.cp_l3.backend import WRITE_TIMEOUT_S  # (the backend's write bound)
+from sglang_cp.cachebench.rawdisk import drop_caches
+from sglang_cp.l3 import L3Store, parse_l3_config
+from sglang_cp.l3.format.blob import write_extent
 
 BATCH = 128  # upstream STORAGE_BATCH_SIZE
 PAGE_TOKENS = 64
@@ -137,7 +136,7 @@ def run_ours(d, a, b, n, page_bytes, threads, progress, tag, mode):  # noqa: C90
     root = os.path.join(d, "ours")
     os.makedirs(os.path.join(root, "idx"), exist_ok=True)
     os.makedirs(os.path.join(root, "disk"), exist_ok=True)
-    slot = (page_bytes + 64 + 4095) // 4096 * 4096
+    slot = write_extent(page_bytes)
     cfg = parse_l3_config({
         "index": {"dir": os.path.join(root, "idx"), "map_size_gb": 0.064},
         "io": {"threads": threads, "max_inflight_pages": staging_pages(page_bytes)},

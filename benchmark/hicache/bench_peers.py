@@ -3,7 +3,7 @@
 Every tier (``peer_tiers.py``: no HiCache, HiCache L2 only, upstream's ``file``, ``nixl``, Mooncake
 Store, LMCache, ours with each read engine) runs the same workload (``peer_workloads.py``) on the same
 model (dummy weights, ``bench_server_ttft.MODELS``), device pool, host DRAM, disk budget and prefetch
-policy, through the same harness as ``bench_server_ttft.py`` (``sglang_cp.server_process``: streaming
+policy, through the same harness as ``bench_server_ttft.py`` (``benchmark.support.server_process``: streaming
 ``/generate`` with ``input_ids``, ``meta_info.cached_tokens_details``). Per tier, two phases:
 
 1. ``replay``: the tier's storage emptied, a fresh server (warmed with one unrelated prompt), the
@@ -18,13 +18,13 @@ device/host/storage, hit ratio against the ideal, bytes on disk (du), CPU second
 process tree and of the side services, output ids against the first tier's. A tier whose package is
 missing keeps its row with the exact import error and what it would take.
 
-    python benchmark/hicache/bench_peers.py run --model small --workload trace --trace conversation_trace.jsonl \\
+    python -m benchmark.hicache.bench_peers run --model small --workload trace --trace conversation_trace.jsonl \\
         --conversations 40 --block-tokens 128 --max-input-tokens 16384 --concurrency 8 \\
         --work-dir /path/on/nvme --out-dir out/peers
-    python benchmark/hicache/bench_peers.py run --model small --workload storm --doc-tokens 16384 \\
+    python -m benchmark.hicache.bench_peers run --model small --workload storm --doc-tokens 16384 \\
         --suffixes 4 --requests 200 --concurrency 16 --work-dir /path/on/nvme --out-dir out/peers-storm
-    python benchmark/hicache/bench_peers.py commands --model small --work-dir /path/on/nvme   # command lines only
-    python benchmark/hicache/bench_peers.py report out/peers/peers.json --out-dir out/peers
+    python -m benchmark.hicache.bench_peers commands --model small --work-dir /path/on/nvme   # command lines only
+    python -m benchmark.hicache.bench_peers report out/peers/peers.json --out-dir out/peers
 
 ``run`` writes ``peers.json`` (after every tier), ``peers.md`` and the PNGs; ``report`` rewrites the
 table and plots from a saved JSON. Nothing here needs a GPU except ``run``.
@@ -43,19 +43,16 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+if not __package__:  # run as a file: the repository root is not on sys.path, so benchmark.* is not importable
+    sys.exit("bench_peers: run it from the repository root as a module: python -m benchmark.hicache.bench_peers")
+
+from benchmark.hicache import bench_server_ttft as ttft  # the shared harness: models, KV sizes, L3 config
+from benchmark.hicache import peer_report, peer_tiers
+from benchmark.hicache import peer_workloads as wl
+from benchmark.support import server_process as harness  # the real-server harness
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-for _p in (HERE, os.path.join(REPO, "python")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-import bench_server_ttft as ttft  # noqa: E402  (the shared harness: models, KV sizes, L3 config)
-import peer_report  # noqa: E402
-import peer_tiers  # noqa: E402
-import peer_workloads as wl  # noqa: E402
-# The real-server harness, imported here only (it is moving into a support package).
-from sglang_cp import server_process as harness  # noqa: E402
-
 GB = 1e9
 KV_SENSITIVE_DIR = os.path.join(REPO, "test", "gpu", "kv_sensitive")
 

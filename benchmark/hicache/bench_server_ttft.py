@@ -23,11 +23,11 @@ per-request time stages (``meta_info`` under ``--enable-metrics``: arrival -> fo
 prefetch wait, the forward with its host pool -> GPU load, the rest), printed as a second table beside
 the device hit's stages of the same prompt.
 
-    python benchmark/hicache/bench_server_ttft.py run --model glm5:8192,32768 \\
+    python -m benchmark.hicache.bench_server_ttft run --model glm5:8192,32768 \\
         --model small:8192,32768,131072 --work-dir /path/on/nvme --out-dir out/ttft
-    python benchmark/hicache/bench_server_ttft.py report out/a/ttft.json out/b/ttft.json --out-dir out/ttft
+    python -m benchmark.hicache.bench_server_ttft report out/a/ttft.json out/b/ttft.json --out-dir out/ttft
 
-``--pd-cp N``: servers A and B are each a PD pair (``sglang_cp.pd_pair``) on N GPUs: a CP-sharded prefill
+``--pd-cp N``: servers A and B are each a PD pair (``benchmark.support.pd_pair``) on N GPUs: a CP-sharded prefill
 worker (TP = CP = N, KV sharding, HiCache and L3: each rank persists its own stripe) and a decode worker on
 the same GPUs, every request sent to both with one bootstrap room. TTFT is then the decode worker's
 answer (the prefix computed or restored on the prefill worker, sent over the transfer engine, one decode
@@ -54,6 +54,10 @@ import shutil
 import statistics
 import sys
 import time
+
+if not __package__:  # run as a file: the repository root is not on sys.path, so benchmark.* is not importable
+    sys.exit("bench_server_ttft: run it from the repository root as a module: "
+             "python -m benchmark.hicache.bench_server_ttft")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
@@ -146,8 +150,8 @@ def make_server(model: str, tag: str, flags: list, model_flags: list, common: di
     log_path = os.path.join(args.out_dir, f"{tag}.log")
     if not args.pd_cp:
         return ServerProcess(model, flags, log_path=log_path, **common)
-    from sglang_cp.pd_pair import PdPair, decode_args, sharded_prefill_args
-    from sglang_cp.server_process import free_port
+    from benchmark.support.pd_pair import PdPair, decode_args, sharded_prefill_args
+    from benchmark.support.server_process import free_port
 
     bport = free_port()
     prefill = ServerProcess(model, flags + sharded_prefill_args(args.pd_cp, bport, args.pd_transfer_backend),
@@ -296,7 +300,7 @@ def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
     cache sources, a summary per thread role, and the timeline of the restore (when each thread was
     inside the scheduler's, upstream's storage threads' and our backend's functions, from the
     scheduler's receipt of the request)."""
-    import pyspy_profile
+    from benchmark.hicache import pyspy_profile
 
     out = []
     # The scheduler process alone: it holds the restore (upstream's storage threads, our backend, the
@@ -384,7 +388,7 @@ def server_cpu_s(server) -> float:
 def store_deltas(before_text: str, after_text: str) -> dict:
     """The store's counters for one request, from /metrics before and after it: bytes and calls summed over
     the ranks, seconds the slowest rank's (one rank: the same thing)."""
-    from sglang_cp.server_process import parse_metrics
+    from benchmark.support.server_process import parse_metrics
 
     b, a = parse_metrics(before_text), parse_metrics(after_text)
     b_rank, a_rank = parse_metrics(before_text, by_label="cp_rank"), parse_metrics(after_text, by_label="cp_rank")
@@ -584,14 +588,12 @@ def main(argv=None):
         return 0
 
     check_pd_args(args)
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
     if args.profile:
-        sys.path.insert(0, HERE)
-        import pyspy_profile
+        from benchmark.hicache import pyspy_profile
 
         pyspy_profile.pyspy_binary()  # fails now, with the fix, rather than after the first server
     from sglang_cp.cachebench import rawdisk
-    from sglang_cp.server_process import ServerProcess, ServerStartError
+    from benchmark.support.server_process import ServerProcess, ServerStartError
 
     os.makedirs(args.out_dir, exist_ok=True)
     results = []

@@ -4,7 +4,7 @@ Used by ``bench_server_ttft.py --profile`` to see where a restore's time goes be
 (upstream's prefetch threads, the scheduler's polls, our ``batch_get_v1``, the read engine), and usable
 on its own:
 
-    python benchmark/hicache/pyspy_profile.py summarize profile.txt [--top 20]
+    python -m benchmark.hicache.pyspy_profile summarize profile.txt [--top 20]
 
 A recording samples every thread of the process and its children (``--subprocesses --threads --idle``),
 so a thread that waits shows where it waits, in py-spy's "raw" (collapsed stacks) format: one line per
@@ -26,6 +26,9 @@ import signal
 import subprocess
 import sys
 import time
+
+if not __package__:  # run as a file: the repository root is not on sys.path, so benchmark.* is not importable
+    sys.exit("pyspy_profile: run it from the repository root as a module: python -m benchmark.hicache.pyspy_profile")
 
 # Frames that start every thread or process and say nothing about its role.
 _BOOTSTRAP = re.compile(r"^(_bootstrap|_bootstrap_inner|run|_run|<module>|_main|main|spawn_main|__call__|"
@@ -97,7 +100,7 @@ class Recorder:
 def descendant_named(pid: int, marker: str) -> int | None:
     """The first process below ``pid`` whose command line (or process title) holds ``marker``, e.g. a
     server's ``sglang::scheduler``; None if there is none. Reads /proc only."""
-    from sglang_cp.server_process import proc_cmdline, proc_stats
+    from benchmark.support.server_process import proc_cmdline, proc_stats
 
     children = collections.defaultdict(list)
     for p, fields in proc_stats():

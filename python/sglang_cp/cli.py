@@ -172,7 +172,7 @@ def _cmd_l3_stats(ns) -> int:
 
     from rich.table import Table
 
-    from sglang_cp.l3 import occupancy
+    from sglang_cp.l3.tools import occupancy
 
     console = _wide_console()
     cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)
@@ -246,7 +246,7 @@ def _cmd_l3_fsck(ns) -> int:
 
     from rich.table import Table
 
-    from sglang_cp.l3 import fsck
+    from sglang_cp.l3.tools import fsck
 
     console = _wide_console()
     cfg = _load_l3_config_or_exit(ns.cp_l3_config, console)

@@ -33,7 +33,7 @@ def write_demo_config(root: str, capacity_gb: float = 1.0, backup_ack: str | Non
     """The embedded default L3 config under ``root`` (slabs are preallocated to capacity_gb), written
     0600 like every file of ours; ``backup_ack`` sets ``durability.backup_ack`` (default: the
     config's own default, "durable"); ``writer`` is what its header says wrote it."""
-    from sglang_cp.l3.files import open_private, private_dirs
+    from sglang_cp.l3.format.files import open_private, private_dirs
 
     root = os.path.abspath(root)
     for sub in ("index", "disk0"):

@@ -55,7 +55,7 @@ class OncePerBootFilter:
             return True
         import hashlib
 
-        from sglang_cp.l3.files import open_private, private_dirs
+        from sglang_cp.l3.format.files import open_private, private_dirs
 
         name = f"{boot}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
         try:

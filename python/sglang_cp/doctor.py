@@ -100,9 +100,11 @@ def check_hooks() -> Iterable[Row]:
 
 def probe_odirect(directory: str) -> tuple[bool, str]:
     """Write, fdatasync and read back one 4 KiB block with O_DIRECT in ``directory``."""
+    from sglang_cp.l3.format.blob import ALIGN
+
     path = os.path.join(directory, f".sglang-cp-odirect-probe-{uuid.uuid4().hex}")
-    buf = mmap.mmap(-1, 4096)
-    buf.write(b"\xa5" * 4096)
+    buf = mmap.mmap(-1, ALIGN)
+    buf.write(b"\xa5" * ALIGN)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     except OSError as e:
@@ -110,9 +112,9 @@ def probe_odirect(directory: str) -> tuple[bool, str]:
     try:
         os.pwritev(fd, [buf], 0)
         os.fdatasync(fd)
-        back = mmap.mmap(-1, 4096)
+        back = mmap.mmap(-1, ALIGN)
         n = os.preadv(fd, [back], 0)
-        ok = n == 4096 and back[:] == buf[:]
+        ok = n == ALIGN and back[:] == buf[:]
         return ok, "write+fdatasync+read of 4 KiB ok" if ok else "read-back mismatch"
     except OSError as e:
         return False, f"O_DIRECT I/O failed: {e.strerror}"
@@ -224,7 +226,7 @@ def _native_digest_row(threads: int) -> Row:
     """index.digest_threads > 0: load the native hasher as the server will and check it against
     hashlib, so an installation without the native library fails here rather than at the server's start."""
     from sglang_cp.l3.errors import L3StartupError
-    from sglang_cp.l3.native_digest import native_digests
+    from sglang_cp.l3.native.digests import native_digests
 
     item = f"digest_threads = {threads}"
     try:
@@ -246,7 +248,8 @@ def _slab_space(sub: str) -> tuple[int, list[tuple[str, int, str]]]:
     slot size of the same rank and payload (left by an earlier config) is never reopened, nor is a file
     only named like a slab; of several, the most recently written is the one in use. Other namespaces'
     files are other servers': neither reusable nor stale here."""
-    from sglang_cp.l3.fsck import SLAB_NAME
+    from sglang_cp.l3.format.blob import ALIGN
+    from sglang_cp.l3.tools.fsck import SLAB_NAME
 
     try:
         names = os.listdir(sub)
@@ -265,7 +268,7 @@ def _slab_space(sub: str) -> tuple[int, list[tuple[str, int, str]]]:
             continue
         size = st.st_blocks * 512
         slot = int(m.group(3))
-        if not os.path.isfile(path) or os.path.islink(path) or slot <= 0 or slot % 4096:
+        if not os.path.isfile(path) or os.path.islink(path) or slot <= 0 or slot % ALIGN:
             stale.append((path, size, "not a slab the store writes"))
             continue
         key = (m.group(1), m.group(2))

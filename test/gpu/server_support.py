@@ -1,7 +1,7 @@
 """Shared pieces of the real-server GPU tests: models, L3 configs, prompts, L3 flags.
 
 The servers are real ``sys.executable -m sglang.launch_server`` processes
-(``sglang_cp.server_process``), so these tests run unchanged on any CUDA box where sglang
+(``benchmark.support.server_process``), so these tests run unchanged on any CUDA box where sglang
 and this plugin are installed. Without CUDA (CI) every module skips at collection.
 
 Environment knobs (all optional):
@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA (real-server tests)", allow_module_level=True)
 
 from sglang_cp.demo_config import write_demo_config  # noqa: E402
-from sglang_cp.server_process import ServerProcess  # noqa: E402
+from benchmark.support.server_process import ServerProcess  # noqa: E402
 from slab_damage import flip_payload_bytes  # noqa: E402,F401  (the damage tests' one way to hurt a slab)
 from start_slots import kernels_key, ledgered_start  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_cp.l3.blob import MAGIC
+from sglang_cp.l3.format.blob import MAGIC
 
 
 def flip_payload_bytes(slab_paths, select=lambda name: True, every: int = 1, phase: int = 0, back: int = 77) -> int:

@@ -148,7 +148,7 @@ def percentile(xs: list, p: float) -> Optional[float]:
 
 def group_processes(pgid: int) -> list:
     """[(pid, cmdline, rss bytes)] of the live processes of process group ``pgid`` (from /proc)."""
-    from sglang_cp.server_process import proc_cmdline, proc_stats
+    from benchmark.support.server_process import proc_cmdline, proc_stats
 
     out = []
     for pid, fields in proc_stats():

@@ -26,8 +26,8 @@ import time
 import pytest
 from server_support import MODELS, base_dir, flip_payload_bytes, l3_flags, pages_of, prompt, slab_files, write_l3_config
 
-from sglang_cp.pd_pair import decode_args, pd_generate, sharded_prefill_args
-from sglang_cp.server_process import ServerProcess, free_port
+from benchmark.support.pd_pair import decode_args, pd_generate, sharded_prefill_args
+from benchmark.support.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cp_harness import PAGE, Rank
+from benchmark.support.cp_harness import PAGE, Rank, tokens_for
 
 
 def demo_l3_config(root, zero_copy: bool = False, backup_ack: str | None = None) -> str:
@@ -17,10 +17,6 @@ def demo_l3_config(root, zero_copy: bool = False, backup_ack: str | None = None)
         with open(path, "w") as f:
             f.write(text.replace("[[disks]]\n", "[io]\nzero_copy_writes = true\n\n[[disks]]\n", 1))
     return path
-
-
-def tokens_for(n_pages: int, seed: int = 0) -> list[int]:
-    return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(n_pages * PAGE)]
 
 
 def roundtrip(rank, world, rendezvous, l3_config, sharded, n_pages, write_phase, cold_start="clear",
@@ -86,7 +82,7 @@ def skew(rank, world, rendezvous, l3_config, n_pages, slow_rank, fail_rank, fail
         hi = r.alloc_host(n_pages * PAGE, start_owner=0)
         owned_logical = [i for i in range(n_pages) if r.owner_of_page_start(int(hi[i * PAGE])) == rank]
         if rank == fail_rank:
-            slab = store.state.pools["kv"].slab  # the store's own fault seam (l3/disk_slab.py)
+            slab = store.state.pools["kv"].slab  # the store's own fault seam (l3/format/disk_slab.py)
             bad = {"slot": None, "seen": 0}
 
             def inject(op, _slab, slot):

@@ -1,6 +1,7 @@
 """The benchmarks under benchmark/ still run end to end (tiny sizes): their numbers are only
 trusted in full runs, but a script that no longer starts or that compares wrong bytes must
-fail CI, not the next person who needs the figures."""
+fail CI, not the next person who needs the figures. Each runs as the docs say: from the repository
+root, as a module (``python -m benchmark.hicache.<name>``)."""
 
 import os
 import re
@@ -12,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_bench_l3_store_smoke(disk_tmp):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_store.py"), "--dir", str(disk_tmp),
+        [sys.executable, "-m", "benchmark.hicache.bench_l3_store", "--dir", str(disk_tmp),
          "--gib", "0.005", "--reps", "1", "--page-sizes", "65536"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -27,7 +28,7 @@ def test_bench_l3_store_smoke(disk_tmp):
 
 def test_bench_l3_index_smoke(disk_tmp):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_index.py"), "--dir", str(disk_tmp),
+        [sys.executable, "-m", "benchmark.hicache.bench_l3_index", "--dir", str(disk_tmp),
          "--sizes", "20000", "--runs", "3", "--io-mib", "128", "--io-reps", "1", "--digest-threads", "0,2"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     # The script asserts every hit query answers the full prefix and every reload returns the bytes written.
@@ -42,7 +43,7 @@ def test_bench_cp_l3_smoke(disk_tmp):
     written ack and zero-copy writes, with --phases (durable / operation acks and native reads: next test)."""
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+        [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--json", str(out), "--phases", "--backup-ack", "written", "--zero-copy", "on",
          "--configs", "raw O_DIRECT, 2 writers;ours, CP=2 sharded"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
@@ -73,7 +74,7 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     behind upstream's prefetch thread (the script checks every byte); --cp picks the CP sizes."""
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+        [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--json", str(out), "--no-file", "--backup-ack", "durable,operation", "--cp", "1",
          "--read-engine", "native"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
@@ -97,7 +98,7 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     assert re.search(r"\(the node: -?[0-9.]+ ms past its longest store time\)", line), line
     assert rows[1]["outside_store_node_s"][0] <= rows[1]["outside_store_s"][0] + 1e-9, rows[1]
     bad = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+        [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--backup-ack", "durable,soon"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert bad.returncode == 2 and "--backup-ack: soon is not one of durable, written, operation" in bad.stderr, bad.stderr
@@ -110,7 +111,7 @@ def test_bench_cp_l3_refuses_disks_on_one_filesystem(disk_tmp):
     a.mkdir()
     b.mkdir()
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_cp_l3.py"), "--quick", "--dir",
+        [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--disks", f"{a},{b}"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert proc.returncode != 0, proc.stdout[-3000:]
@@ -122,7 +123,7 @@ def test_bench_l3_read_smoke(disk_tmp):
     """Raw O_DIRECT vs both read engines, two rank processes at once; the script compares every byte."""
     out = disk_tmp / "read.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_read.py"), "--quick", "--dir",
+        [sys.executable, "-m", "benchmark.hicache.bench_l3_read", "--quick", "--dir",
          str(disk_tmp), "--page-sizes", "1052672", "--ranks", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -132,3 +133,15 @@ def test_bench_l3_read_smoke(disk_tmp):
     assert case["ranks"] == 2 and sorted(case["paths"]) == ["native", "python", "raw"]
     assert all(v["gbps"][0] > 0 and v["cpu_s_per_gb"][0] > 0 for v in case["paths"].values()), case
     assert not [p for p in os.listdir(disk_tmp) if p != "read.json"], "the stores and raw files must be deleted"
+
+
+def test_a_benchmark_started_as_a_file_says_how_to_start_it():
+    """Run as a file, the repository root is not on sys.path and benchmark.support cannot import: the
+    script says the one way to run it instead of a ModuleNotFoundError."""
+    for name in ("bench_cp_l3", "bench_server_ttft", "pyspy_profile"):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "benchmark", "hicache", f"{name}.py"), "--help"],
+            capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 1, (name, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert proc.stderr.strip() == (f"{name}: run it from the repository root as a module: "
+                                       f"python -m benchmark.hicache.{name}"), proc.stderr

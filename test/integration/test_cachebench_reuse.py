@@ -13,7 +13,7 @@ import os
 
 from sglang_cp.cachebench.workload import WorkloadSpec, generate, write_trace
 from sglang_cp.l3 import load_l3_config
-from sglang_cp.l3.fsck import all_entries, find_slabs, open_index
+from sglang_cp.l3.tools.fsck import all_entries, find_slabs, open_index
 from test_cachebench import cachebench
 
 

@@ -8,7 +8,7 @@ spawn is guarded by a timeout: a hang fails the test instead of wedging CI.
 
 import pytest
 
-from cp_harness import PAGE, run_ranks
+from benchmark.support.cp_harness import PAGE, run_ranks
 from cp_scenarios import count_collectives, identity_probe, roundtrip, skew
 from sglang_cp.cli import write_demo_config
 

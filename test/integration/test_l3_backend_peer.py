@@ -26,14 +26,14 @@ One rank-process pair runs every scenario (module fixture); each test asserts on
 
 import pytest
 
-from cp_harness import PAGE, run_ranks
+from benchmark.support.cp_harness import PAGE, run_ranks
 from sglang_cp.cli import write_demo_config
 
 
 def peer_checks(rank, world, rendezvous, l3_config):
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    from cp_harness import Rank
+    from benchmark.support.cp_harness import Rank
 
     r = Rank(rank, world, rendezvous, l3_config, sharded=False, sidecars=True, cold_start="clear")
     b, out = r.backend, {"rank": rank, "backend_class": type(r.backend).__name__}

@@ -9,7 +9,7 @@ group could commit, and whether upstream saw the operation acked, tell the two m
 
 import pytest
 
-from cp_harness import PAGE, run_ranks
+from benchmark.support.cp_harness import PAGE, run_ranks
 from cp_scenarios import demo_l3_config
 
 N_PAGES = 12
@@ -32,9 +32,8 @@ def backup_with_syncs_held(rank, world, rendezvous, l3_config, n_pages, batch, f
     import time
 
     import sglang.srt.managers.cache_controller as cc_mod
-    from cp_harness import Rank
+    from benchmark.support.cp_harness import Rank, tokens_for
     from sglang.srt.mem_cache.utils import get_storage_hash_str
-    from cp_scenarios import tokens_for
 
     cc_mod.STORAGE_BATCH_SIZE = batch
     gate = threading.Event()

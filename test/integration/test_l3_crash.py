@@ -4,7 +4,7 @@ A child process writes pages of two payloads under load (async submit, acks drai
 mixed in) and logs every key it saw acked DURABLE. The parent SIGKILLs it at a random point, reopens
 the store with cold_start="load" in this process and checks: every page acked DURABLE before the kill
 is recovered with exactly its bytes; no page is ever served with wrong bytes; no two index entries share
-a slot and the slot pool matches the index. The next child continues on the same files. With deletes on,
+a slot and the slot allocator matches the index. The next child continues on the same files. With deletes on,
 the child also deletes about half of what each write_pages stored right after it returned, under each
 durability.backup_ack and read engine, and no page it saw deleted may be served after the restart.
 
@@ -42,14 +42,14 @@ CHILD = textwrap.dedent("""
     ack, engine, deletes = sys.argv[6], sys.argv[7], sys.argv[8] == "1"
     red = os.environ.get("L3_CRASH_RED")  # RED runs: remove one flush, as a regression would
     if red == "slab":
-        from sglang_cp.l3.disk_slab import DiskSlab
+        from sglang_cp.l3.format.disk_slab import DiskSlab
         DiskSlab.sync = lambda self: None
     elif red == "index":
         import lmdb
         _open = lmdb.open
         lmdb.open = lambda *a, **kw: _open(*a, **dict(kw, sync=False, metasync=False))
     elif red == "dirsync":  # the new slab's directory entry never flushed (the cold-start record's
-        import sglang_cp.l3.disk_slab as ds  # rename flushes that directory too, and may fail: off too)
+        import sglang_cp.l3.format.disk_slab as ds  # rename flushes that directory too, and may fail: off too)
         import sglang_cp.l3.state as st
         ds.fsync_dir = lambda path: None
         st.write_cold_start_record = lambda *a: None

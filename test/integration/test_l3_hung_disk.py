@@ -10,7 +10,7 @@ step must finish within BOUND x SLACK (a correctness margin, not a performance t
 
 import pytest
 
-from cp_harness import PAGE, run_ranks
+from benchmark.support.cp_harness import PAGE, run_ranks
 from cp_scenarios import demo_l3_config
 
 BOUND = 1.0
@@ -29,8 +29,7 @@ def hung_disk(rank, world, rendezvous, l3_config, n_pages):
 
     import sglang_cp.integration.cp_l3.backend as backend_mod
     import sglang_cp.l3.store as store_mod
-    from cp_harness import Rank
-    from cp_scenarios import tokens_for
+    from benchmark.support.cp_harness import Rank, tokens_for
 
     store_mod.CLOSE_TIMEOUT_S = BOUND
     gate = threading.Event()

@@ -16,7 +16,7 @@ from rich.console import Console
 from sglang_cp import doctor
 from sglang_cp.cli import write_demo_config
 from sglang_cp.l3 import L3Store, load_l3_config
-from sglang_cp.l3 import fsck
+from sglang_cp.l3.tools import fsck
 
 PAGE_BYTES = 16384
 

@@ -3,7 +3,7 @@
 import textwrap
 
 from suite_helpers import run_py
-from cp_harness import PAGE, run_ranks
+from benchmark.support.cp_harness import PAGE, run_ranks
 from cp_scenarios import forced_phase_probe
 from sglang_cp.cli import write_demo_config
 from sglang_cp.integration.cp_l3.plan import continuation_phase, rotation_base

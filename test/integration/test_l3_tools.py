@@ -13,8 +13,8 @@ import pytest
 
 from sglang_cp.cli import write_demo_config
 from sglang_cp.l3 import L3Store, load_l3_config
-from sglang_cp.l3.blob import HEADER_BYTES, key_digest
-from sglang_cp.l3.index import IndexEntry, LmdbIndex, index_key
+from sglang_cp.l3.format.blob import HEADER_BYTES, key_digest
+from sglang_cp.l3.format.index import IndexEntry, LmdbIndex, index_key
 
 PAGE_BYTES = 16384
 N = 6
@@ -44,7 +44,7 @@ def l3dir(disk_tmp):
 def _entry(cfg, rank, key):
     ix = LmdbIndex(cfg.index.dir, cfg.index.map_size_bytes, cfg.index.max_map_size_bytes)
     try:
-        from sglang_cp.l3.blob import payload_tag
+        from sglang_cp.l3.format.blob import payload_tag
 
         ikey = index_key(payload_tag("kv"), key_digest(rank, key), rank)
         return ikey, ix.get_many([ikey])[0]
@@ -139,7 +139,7 @@ def test_fsck_finds_each_kind_of_damage_and_repair_fixes_it(l3dir):
     _, e4 = _entry(cfg, 0, b"k4")
     ix = LmdbIndex(cfg.index.dir, cfg.index.map_size_bytes, cfg.index.max_map_size_bytes)
     try:
-        from sglang_cp.l3.blob import payload_tag
+        from sglang_cp.l3.format.blob import payload_tag
 
         fake = index_key(payload_tag("kv"), key_digest(0, b"not-written"), 0)
         ix.commit(deletes=[(k3, g3)], puts=[(fake, IndexEntry(0, 0, e4.slot, e4.payload_tag, PAGE_BYTES,

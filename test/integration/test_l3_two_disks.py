@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from cp_harness import run_ranks
+from benchmark.support.cp_harness import run_ranks
 from cp_scenarios import roundtrip
 
 CONFIG = """\
@@ -186,7 +186,7 @@ def test_ranks_use_the_devices_rank_to_disk_names(disk_tmp, two_devices):
     # One index for both ranks, on index.dir (not on either device), each entry naming its rank's disk.
     import lmdb
 
-    from sglang_cp.l3.index import IndexEntry, key_prefix
+    from sglang_cp.l3.format.index import IndexEntry, key_prefix
 
     assert not any(os.path.exists(os.path.join(m, "data.mdb")) for m in mount.values())
     env = lmdb.open(str(root / "index"), readonly=True, lock=False, subdir=True)

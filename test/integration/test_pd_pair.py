@@ -1,4 +1,4 @@
-"""sglang_cp.pd_pair against two real HTTP processes standing in for the prefill and decode workers (a real
+"""benchmark.support.pd_pair against two real HTTP processes standing in for the prefill and decode workers (a real
 PD pair needs two GPUs and a transfer engine): both halves of a request are in flight at once with one
 bootstrap room, the answer is the decode worker's ids with the prefill worker's cache details, and a failed
 half names its worker."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from sglang_cp.pd_pair import PdPair, decode_args, pd_generate, sharded_prefill_args
-from sglang_cp.server_process import ServerProcess
+from benchmark.support.pd_pair import PdPair, decode_args, pd_generate, sharded_prefill_args
+from benchmark.support.server_process import ServerProcess
 
 # A worker stand-in: records each /generate body; the prefill one answers only once the decode half has
 # arrived (as a real prefill worker waits for its decode peer's bootstrap), so halves sent one after the

@@ -1,4 +1,4 @@
-"""sglang_cp.server_process against the real launcher, on CPU: a server that cannot start
+"""benchmark.support.server_process against the real launcher, on CPU: a server that cannot start
 is reported with its own error, promptly, and leaves no process behind."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sglang_cp.server_process import ServerProcess, ServerStartError, parse_metrics
+from benchmark.support.server_process import ServerProcess, ServerStartError, parse_metrics
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "models", "tiny-dsv3")
 
@@ -53,11 +53,11 @@ def test_server_dies_with_the_process_that_started_it(tmp_path):
     import subprocess
     import sys
 
-    from sglang_cp.server_process import group_alive
+    from benchmark.support.server_process import group_alive
 
     parent = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
-        "from sglang_cp.server_process import ServerProcess\n"
+        "from benchmark.support.server_process import ServerProcess\n"
         f"s = ServerProcess({MODEL!r}, log_path={str(tmp_path / 's.log')!r}).spawn()\n"
         "print(s.proc.pid, flush=True)\n"
         "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
@@ -80,7 +80,7 @@ def test_server_dies_with_the_process_that_started_it(tmp_path):
 def test_a_start_failure_reports_the_first_error_not_only_the_shutdown_noise(tmp_path):
     """A scheduler that dies at startup is followed by the launcher's own teardown lines: the report
     must carry the cause (the first traceback), which the log's last lines no longer show."""
-    from sglang_cp.server_process import first_error
+    from benchmark.support.server_process import first_error
 
     log = tmp_path / "s.log"
     cause = ["[2026-12-01 10:00:01] Scheduler hit an exception: Traceback (most recent call last):",

@@ -13,13 +13,10 @@ from collections import Counter
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(HERE, "..", "..", "benchmark", "hicache")
-sys.path.insert(0, BENCH)
-
-import bench_peers as bench  # noqa: E402
-import peer_report as report  # noqa: E402
-import peer_tiers as tiers  # noqa: E402
-import peer_workloads as wl  # noqa: E402
+from benchmark.hicache import bench_peers as bench
+from benchmark.hicache import peer_report as report
+from benchmark.hicache import peer_tiers as tiers
+from benchmark.hicache import peer_workloads as wl
 
 
 def trace_lines() -> list:

@@ -2,15 +2,9 @@
 requests whose cache came from the path it names, and the restore rate subtracts the
 compute floor of the same prompt."""
 
-import importlib.util
 import json
-import os
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location(
-    "bench_server_ttft", os.path.join(HERE, "..", "..", "benchmark", "hicache", "bench_server_ttft.py"))
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from benchmark.hicache import bench_server_ttft as bench
 
 
 def _run():
@@ -66,7 +60,7 @@ def test_restore_stages_from_upstreams_time_stats():
     """Upstream's per-request time stats (meta_info under --enable-metrics, wall clock) split a request:
     arrival -> forward start (of it the prefetch wait), the forward, the rest; the summary sets the
     restore's stages beside the device hit's, and the report prints them under the main table."""
-    from sglang_cp.server_process import GenResult
+    from benchmark.support.server_process import GenResult
 
     meta = {"request_received_ts": 100.010, "forward_entry_time": 100.090, "prefill_finished_time": 100.200,
             "storage_prefetch_wait": 0.055, "queue_time": 0.07}
@@ -113,8 +107,8 @@ def test_pd_cp_servers_are_pairs_with_the_sharded_prefill_flags_and_refusals(tmp
 
     import pytest
 
-    from sglang_cp.pd_pair import PdPair
-    from sglang_cp.server_process import ServerProcess
+    from benchmark.support.pd_pair import PdPair
+    from benchmark.support.server_process import ServerProcess
 
     def ns(**kw):
         base = dict(pd_cp=2, profile=False, mem_fraction=None, pd_decode_mem_fraction=0.3,

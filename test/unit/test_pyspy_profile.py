@@ -2,18 +2,13 @@
 attaches to a running interpreter, records every thread (waits included) for the section inside the
 ``with``, and the summary names each thread by its role and says where its samples ended."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location(
-    "pyspy_profile", os.path.join(HERE, "..", "..", "benchmark", "hicache", "pyspy_profile.py"))
-pp = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(pp)
+from benchmark.hicache import pyspy_profile as pp
 
 CHILD = textwrap.dedent("""
     import sys, threading, time; stop = threading.Event()  # ';' and newlines in the command line py-spy quotes

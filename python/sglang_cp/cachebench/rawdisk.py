@@ -12,7 +12,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sglang_cp.l3.aligned import aligned_buffer
+from sglang_cp.l3.format.aligned import aligned_buffer
 
 BLOCK = 1 << 20
 

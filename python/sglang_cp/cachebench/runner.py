@@ -21,6 +21,7 @@ from rich.markup import escape
 from sglang_cp.cachebench.cp_testbed import PAGE, RANK_START, RankDied, run_ranks
 from sglang_cp.display import rel
 from sglang_cp.l3 import load_l3_config
+from sglang_cp.l3.format.blob import ALIGN
 from sglang_cp.l3.recovery import COLD_START_MODES, DEFAULT_COLD_START
 
 from . import rawdisk, report, soak
@@ -158,9 +159,9 @@ def run(ns) -> int:
     page_bytes = _page_bytes(layers, sidecars)
     os.makedirs(ns.out_dir, exist_ok=True)
     if cfg is None:
-        need = working * (page_bytes + 3 * 4096)
+        need = working * (page_bytes + 3 * ALIGN)
         cap = None if ns.soak is None else soak.soak_capacity_gb(need, ns.soak_capacity,
-                                                                  2 * max_req * (page_bytes + 3 * 4096))
+                                                                  2 * max_req * (page_bytes + 3 * ALIGN))
         cfg = _l3_config(os.path.join(os.path.abspath(ns.out_dir), "l3"), need, cap)
         disk_dir = os.path.dirname(cfg)
     host_pages = l2_pages + max_req + 1

@@ -179,7 +179,8 @@ def _epoch_record(ep: _Epoch, cold: str, pos: int, results, died, wall: float, c
 
 
 def _check(ns, epochs: list[dict], cfg: str, wall: float, info: dict) -> dict:
-    from sglang_cp.l3 import fsck, load_l3_config
+    from sglang_cp.l3 import load_l3_config
+    from sglang_cp.l3.tools import fsck
 
     checks = []
 

@@ -11,7 +11,7 @@ import queue
 import threading
 from typing import Optional
 
-from .index import IndexFull, IndexUnavailable
+from .format.index import IndexFull, IndexUnavailable
 from .messages import CommitJob, Committed, WriteTask
 from .state import StoreState
 

@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the project runs on 3.11; tomli is the backport
     import tomli as tomllib
 
+from .format.blob import ALIGN
 from .devices import shared_device_pairs
 from .errors import L3ConfigError
 from .plp import PlpProbe, probe_write_cache
@@ -27,7 +28,6 @@ from .plp import PlpProbe, probe_write_cache
 logger = logging.getLogger(__name__)
 
 GB = 10**9
-ALIGN = 4096
 SLAB_SUBDIR = "sglang-cp-l3"  # the store's directory under each disk path
 _NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PLP_POLICIES = ("require", "warn", "ignore")
@@ -46,7 +46,7 @@ class IndexConfig:
     dir: str
     map_size_bytes: int
     max_map_size_bytes: int
-    # Threads hashing a hit query's keys in C (l3/native_digest.py); 0: hashlib on the caller's thread.
+    # Threads hashing a hit query's keys in C (l3/native/digests.py); 0: hashlib on the caller's thread.
     digest_threads: int = 0
 
 
@@ -66,7 +66,7 @@ class IoConfig:
     # bound is never indexed. docs_internal/l3_store.md, "Zero-copy writes under a timeout".
     zero_copy_writes: bool = False
     # How reads land, are checked and reach the caller: "python" (a whole slot lands in store memory,
-    # then CRC and copy-out on a finisher thread) or "native" (l3/native_reads.py: chunk by chunk in C,
+    # then CRC and copy-out on a finisher thread) or "native" (l3/native/reads.py: chunk by chunk in C,
     # checked in cache and copied once, one GIL-free call per run). docs_internal/l3_store.md,
     # "The native read engine".
     read_engine: str = "python"

@@ -1,8 +1,8 @@
 """Page-level LRU and the watermark policy of L3 GC (runs on the store's write thread only).
 
-Per payload pool: above `high` occupancy GC starts and keeps reclaiming the coldest pages, at most
+Per payload slab: above `high` occupancy GC starts and keeps reclaiming the coldest pages, at most
 `budget` per write-thread iteration, until occupancy is at or below `low` (hysteresis, so the write
-path never meets a full pool in steady state and GC never flaps around one watermark).
+path never meets a full slab in steady state and GC never flaps around one watermark).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from .held import HeldDigests
-from .index import IndexEntry, ikey_digest
+from .format.index import IndexEntry, ikey_digest
 
 
 class PageLRU:

@@ -1,4 +1,4 @@
-"""The hit query's view of one rank's held pages: key digest -> bitmask of the payload pools holding it.
+"""The hit query's view of one rank's held pages: key digest -> bitmask of the payload slabs holding it.
 
 Written by the store's write thread (through PageLRU, gc.py) and by recovery before the threads start;
 read by the hit query (hits.py) on any thread. Not GC: GC decides what leaves the LRU, this table only
@@ -32,7 +32,7 @@ def _capacity(n: int) -> int:
 
 
 class HeldDigests:
-    """key digest -> bitmask of the payload pools (of one rank's store) whose LRU holds that key. The hit
+    """key digest -> bitmask of the payload slabs (of one rank's store) whose LRU holds that key. The hit
     query maps `get` over digests: one C lookup per key for all payloads, no index keys built.
 
     Beside the dict, a mirror for batch lookups (`many`): an open-addressing table (linear probing) in

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from .blob import digest_list, mixed_keys_error
-from .index import key_prefix as index_key_prefix
+from .format.blob import digest_list, mixed_keys_error
+from .format.index import key_prefix as index_key_prefix
 from .state import StoreState
 
 # Chunks of at least this many keys look up the held digests in HeldDigests' numpy table (a fixed

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
 from .acks import OpState
-from .index import IndexEntry
-from .payload_pool import PayloadPool
+from .format.index import IndexEntry
+from .payload_slab import PayloadSlab
 from .staging import Staging
 
 
@@ -21,7 +21,7 @@ from .staging import Staging
 class WriteTask:
     """One page on its way to disk, from its staging copy to its DURABLE ack. Submitters that write the
     same key while it is in flight ride it as extra waiters."""
-    pool: PayloadPool
+    pool: PayloadSlab
     ikey: bytes
     digest: bytes
     buf: Optional[memoryview]                     # staging slot image, or the tail block if zero-copy;
@@ -59,7 +59,7 @@ class WriteTask:
 
 class Touch(NamedTuple):
     """A read hit's LRU bump, queued for the write thread (the LRU's only writer)."""
-    pool: PayloadPool
+    pool: PayloadSlab
     ikey: bytes
     stamp: int
 
@@ -104,7 +104,7 @@ class Committed:
 class Drop:
     """A reader found a bad page. `deleted`: its exact index entry was deleted (True), was already gone
     (False), or the delete failed and the write thread retries it (None)."""
-    pool: PayloadPool
+    pool: PayloadSlab
     ikey: bytes
     entry: IndexEntry
     deleted: Optional[bool]
@@ -114,7 +114,7 @@ class Drop:
 class Delete:
     """delete(): drop these pages (index delete, then slot free); reply.result = pages deleted."""
     reply: Reply
-    pool: PayloadPool
+    pool: PayloadSlab
     ikeys: list[bytes]
 
 

@@ -12,16 +12,16 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .blob import write_extent
+from .format.blob import write_extent
 from .config import SLAB_SUBDIR, L3Config
-from .disk_slab import DiskSlab, FaultInjector
+from .format.disk_slab import DiskSlab, FaultInjector
 from .errors import L3StartupError
-from .files import private_dir, private_dirs
+from .format.files import private_dir, private_dirs
 from .held import HeldDigests
-from .index import MAX_RANKS, IndexFull, IndexUnavailable, SharedIndex
-from .native_digest import native_digests
-from .ownership import RankLock
-from .payload_pool import PayloadPool
+from .format.index import MAX_RANKS, IndexFull, IndexUnavailable, SharedIndex
+from .native.digests import native_digests
+from .format.ownership import RankLock
+from .payload_slab import PayloadSlab
 from .recovery import check_mode, run_cold_start
 from .staging import Staging
 from .state import StoreState, logger, release_locks
@@ -101,7 +101,7 @@ def open_state(config: L3Config, rank: int, ranks_per_node: int, payloads: dict[
     # nothing to undo).
     native = native_digests(config.index.digest_threads)
     # Exclusive ownership of this rank's slabs and index entries before anything destructive (slab
-    # truncation, cold start), held until close(): a second opener fails here (l3/ownership.py).
+    # truncation, cold start), held until close(): a second opener fails here (l3/format/ownership.py).
     owner = owner or f"L3 rank {rank}"
     if config.namespace:
         owner += f", namespace '{config.namespace}'"
@@ -112,13 +112,13 @@ def open_state(config: L3Config, rank: int, ranks_per_node: int, payloads: dict[
     except BaseException:
         release_locks(locks)
         raise
-    pools: dict[str, PayloadPool] = {}
+    pools: dict[str, PayloadSlab] = {}
     try:
         for p, b in payloads.items():
             slab = DiskSlab(os.path.join(slab_dir, f"r{rank}.{p}.s{geo.slot_bytes[p]}.slab"),
                             slot_bytes=geo.slot_bytes[p], num_slots=geo.num_slots, page_bytes=b,
                             fault_injector=fault_injector, disk_index=disk_i, field=f"disks[{disk_i}]")
-            pools[p] = PayloadPool(p, b, rank, slab)
+            pools[p] = PayloadSlab(p, b, rank, slab)
         held = HeldDigests()
         for i, pool in enumerate(pools.values()):
             pool.lru.attach(held, 1 << i)

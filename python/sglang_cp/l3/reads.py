@@ -6,7 +6,7 @@ read I/O thread. land (I/O thread): one preadv of whole slot extents into a land
 owns; a failed or short run is read again page by page. verify + deliver (finisher thread): header
 identity and payload CRC32C per page, then a copy into the caller's buffer, unless the caller gave up.
 So a read that never comes back cannot touch the caller's pages, and the I/O thread's next preadv does
-not wait for the copy. With io.read_engine = "native" (native_reads.py) land, verify and deliver are one
+not wait for the copy. With io.read_engine = "native" (native/reads.py) land, verify and deliver are one
 C call per run on the I/O thread, chunk by chunk, and the caller's pages are written only through the
 op's gate, which OpState closes at the caller's bound; the index lookup, permits, results and bad-page
 handling here are shared by both engines.
@@ -27,14 +27,14 @@ import numpy as np
 
 from . import native
 from .acks import AckKind, OpState
-from .aligned import huge_aligned_view
-from .blob import BlobError
+from .format.aligned import huge_aligned_view
+from .format.blob import BlobError
 from .errors import L3InvariantError
-from .index import IndexEntry, IndexFull, IndexUnavailable, index_key
-from .io_pool import IoPool
+from .format.index import IndexEntry, IndexFull, IndexUnavailable, index_key
+from .io_threads import IoThreads
 from .messages import Drop
-from .native_reads import NativeReader
-from .payload_pool import PayloadPool
+from .native.reads import NativeReader
+from .payload_slab import PayloadSlab
 from .staging import Tokens
 from .state import CONTROL_TIMEOUT_S, StoreState, page_view
 
@@ -53,7 +53,7 @@ class ReadPath:
     def __init__(self, st: StoreState):
         self.st = st
         threads = st.config.io.threads
-        # io.read_engine = "native": each run is one C call on its I/O thread (native_reads.py), with a
+        # io.read_engine = "native": each run is one C call on its I/O thread (native/reads.py), with a
         # chunk buffer per thread instead of landing areas and no finisher hop.
         self._native = NativeReader(threads) if st.config.io.read_engine == "native" else None
         # Where reads land before they are copied out, allocated (and faulted in: first touch is slow on
@@ -67,8 +67,8 @@ class ReadPath:
         self._landing_cond = threading.Condition()
         self._permits = max(st.config.io.max_inflight_pages, threads)
         self._slots = Tokens(self._permits)
-        self._rio = IoPool(threads, f"l3r-r{st.rank}")
-        self._fio = IoPool(threads, f"l3f-r{st.rank}")  # verify + copy out
+        self._rio = IoThreads(threads, f"l3r-r{st.rank}")
+        self._fio = IoThreads(threads, f"l3f-r{st.rank}")  # verify + copy out
 
     def landing_areas(self, payload: str) -> list[memoryview]:
         """The payload's landing areas not in use right now (for tests of their placement)."""
@@ -143,7 +143,7 @@ class ReadPath:
                 return False
         return True
 
-    def _runs(self, pool: PayloadPool, todo: list[tuple[int, int]]) -> list:
+    def _runs(self, pool: PayloadSlab, todo: list[tuple[int, int]]) -> list:
         """Group pages of consecutive slots into coalesced reads (<= _READ_IO_BYTES, and at least
         2 x io.threads requests when there is enough work). The native engine reads page by page in
         chunks, so its runs need not be consecutive and are sized only to spread the pages over the
@@ -168,7 +168,7 @@ class ReadPath:
 
     # ---------------------------------------------------------------- land (read I/O thread)
 
-    def _take_area(self, pool: PayloadPool) -> memoryview:
+    def _take_area(self, pool: PayloadSlab) -> memoryview:
         """A free landing area. Preadvs in flight hold at most io.threads of the
         _LANDING_PER_THREAD x io.threads areas, so this waits only for copy-outs under way (memory,
         never the disk); not getting one in CONTROL_TIMEOUT_S means an area leaked: loud."""
@@ -179,13 +179,13 @@ class ReadPath:
                                        f"{CONTROL_TIMEOUT_S:g} s (an area was not returned after its copy-out)")
             return free.pop()
 
-    def _give_area(self, pool: PayloadPool, area: memoryview) -> None:
+    def _give_area(self, pool: PayloadSlab, area: memoryview) -> None:
         """Only once the preadv into `area` returned and nothing reads it any more."""
         with self._landing_cond:
             self._landing_free[pool.name].append(area)
             self._landing_cond.notify()
 
-    def _read_io(self, op: OpState, pool: PayloadPool, items: list) -> None:
+    def _read_io(self, op: OpState, pool: PayloadSlab, items: list) -> None:
         """Read whole slots into a free landing area, then hand it to a finisher (verify + copy out)
         and return to the next request: the device does not wait for the copy."""
         area, handed = None, False
@@ -207,7 +207,7 @@ class ReadPath:
                 for i, ikey, _, _, _ in items:
                     self._page_done(op, i, pool, ikey, False)
 
-    def _land(self, op: OpState, pool: PayloadPool, items: list, area: memoryview) -> list[bool]:
+    def _land(self, op: OpState, pool: PayloadSlab, items: list, area: memoryview) -> list[bool]:
         """Read the items' slots (whole extents, payload then header) into `area`, one preadv for a run
         of consecutive slots; if that fails or comes back short, each page alone, so one bad sector or
         a truncated slab costs only its own pages. Per page: read in full."""
@@ -233,7 +233,7 @@ class ReadPath:
             got.append(ok)
         return got
 
-    def _read_io_native(self, op: OpState, pool: PayloadPool, items: list) -> None:
+    def _read_io_native(self, op: OpState, pool: PayloadSlab, items: list) -> None:
         """io.read_engine = "native": the run in one C call (read, check, deliver through the op's gate),
         then each page's result, on this I/O thread."""
         oks = [False] * len(items)
@@ -268,7 +268,7 @@ class ReadPath:
 
     # ---------------------------------------------------------------- verify + deliver (finisher thread)
 
-    def _finish_read(self, op: OpState, pool: PayloadPool, items: list, area: memoryview, got: list[bool]) -> None:
+    def _finish_read(self, op: OpState, pool: PayloadSlab, items: list, area: memoryview, got: list[bool]) -> None:
         """Verify the landed pages, copy the good ones out, give the area back."""
         ext, pb = pool.extent, pool.page_bytes
         oks = [False] * len(items)
@@ -289,7 +289,7 @@ class ReadPath:
             for k, (i, ikey, _, _, _) in enumerate(items):
                 self._page_done(op, i, pool, ikey, oks[k])
 
-    def _page_done(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, ok: bool) -> None:
+    def _page_done(self, op: OpState, i: int, pool: PayloadSlab, ikey: bytes, ok: bool) -> None:
         st = self.st
         if ok:
             with st.lock:
@@ -304,7 +304,7 @@ class ReadPath:
         self._slots.release()
         st.finish(op, i, AckKind.READ, ok)
 
-    def _bad_page(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, err: BlobError) -> None:
+    def _bad_page(self, pool: PayloadSlab, ikey: bytes, e: IndexEntry, err: BlobError) -> None:
         counter = _BLOB_COUNTERS.get(err.reason, "header_errors")
         with self.st.lock:
             self.st.payload_counters[pool.name][counter] += 1
@@ -312,7 +312,7 @@ class ReadPath:
                       "L3 %s slot %d: %s; dropping the page (miss)", pool.name, e.slot, err)
         self._drop_entry(pool, ikey, e)
 
-    def _drop_entry(self, pool: PayloadPool, ikey: bytes, e: IndexEntry) -> None:
+    def _drop_entry(self, pool: PayloadSlab, ikey: bytes, e: IndexEntry) -> None:
         """Delete the exact bad entry from the index now (so the miss is final when acked), then let the
         write thread free the slot: index delete before slot free."""
         st = self.st
@@ -342,7 +342,7 @@ def _deliver(op: OpState, pairs: list[tuple[memoryview, memoryview]], oks: list[
     return oks
 
 
-def _native_blob_error(status: int, detail: int, pool: PayloadPool) -> BlobError:
+def _native_blob_error(status: int, detail: int, pool: PayloadSlab) -> BlobError:
     """The BlobError the Python engine raises for the same fault (so the same counters move)."""
     reason = native.BLOB_REASONS[status]
     if status == native.SHORT_READ:
@@ -352,6 +352,6 @@ def _native_blob_error(status: int, detail: int, pool: PayloadPool) -> BlobError
     return BlobError(reason)
 
 
-def _landing_bytes(pool: PayloadPool) -> int:
+def _landing_bytes(pool: PayloadSlab) -> int:
     """One landing area for a payload: the longest coalesced read (ReadPath._runs), whole slot extents."""
     return max(1, _READ_IO_BYTES // pool.extent) * pool.extent

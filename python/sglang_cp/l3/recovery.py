@@ -17,10 +17,10 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .aligned import BounceBuffers
-from .blob import BlobError, check_identity
-from .index import IndexEntry, LmdbIndex, ikey_digest
-from .payload_pool import PayloadPool
+from .format.aligned import BounceBuffers
+from .format.blob import BlobError, check_identity
+from .format.index import IndexEntry, LmdbIndex, ikey_digest
+from .payload_slab import PayloadSlab
 
 # The modes and the default of --cp-l3-cold-start, of L3Store(cold_start=) and of cachebench: defined
 # here only, where they are implemented; args.py, the backend and cachebench import them.
@@ -80,7 +80,7 @@ def check_mode(mode: str) -> None:
                          "(--cp-l3-cold-start)")
 
 
-def run_cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadPool], threads: int) -> dict:
+def run_cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, PayloadSlab], threads: int) -> dict:
     check_mode(mode)
     t0 = time.monotonic()
     for p in pools.values():
@@ -142,7 +142,7 @@ def run_cold_start(mode: str, index: LmdbIndex, rank: int, pools: dict[int, Payl
             "dropped": len(doomed), "drop_reasons": reasons, "seconds": round(time.monotonic() - t0, 3)}
 
 
-def _rebuild_held_tables(pools: dict[int, PayloadPool]) -> None:
+def _rebuild_held_tables(pools: dict[int, PayloadSlab]) -> None:
     """Seeding and resetting pools drops the hit query's batch table; build it once, after all of them
     (the pools of a store share one HeldDigests)."""
     for held in {id(p.lru.held): p.lru.held for p in pools.values()}.values():

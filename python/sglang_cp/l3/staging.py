@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Optional
 
-from .aligned import aligned_buffer
+from .format.aligned import aligned_buffer
 from .errors import L3InvariantError
 
 

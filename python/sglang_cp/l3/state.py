@@ -3,8 +3,8 @@
 One StoreState per store. The store's parts (submit.py, writer.py, commit.py, reads.py, hits.py and the
 facade, store.py) each hold it and use only its public fields and methods; they never reach into
 each other. Threads: callers (submit, read, hit query, control), the write thread (writer.py: sole
-owner of slot pools, LRU and GC), the commit thread (commit.py), and three I/O pools (writes, reads,
-read finishers).
+owner of slot allocators, LRU and GC), the commit thread (commit.py), and three sets of I/O threads
+(writes, reads, read finishers).
 
 Concurrency, in one place. What `lock` guards (every write, and every read unless listed under the GIL):
   inflight       key -> WriteTask of pages staged and not yet final (dedup; read-your-writes)
@@ -14,10 +14,10 @@ Concurrency, in one place. What `lock` guards (every write, and every read unles
   dropping       bad pages deleted from the index whose LRU release the write thread has pending
   WriteTask.written, set when its pwrite returned (under the lock, with the early acks it allows)
 Other locks: `post_lock` orders posts against the write thread's exit (`stopped`, `abandoned`);
-`io_cond` counts I/O pool tasks; `clock_lock` keeps write sequences increasing; each OpState's `cond`
+`io_cond` counts I/O thread tasks; `clock_lock` keeps write sequences increasing; each OpState's `cond`
 guards its results and its caller-memory I/O count; Staging, Tokens, the read path's landing areas
 and the LMDB index lock themselves.
-No lock, one owner: slot pools, LRUs, PayloadPool.owner, HeldDigests' writes, GC and the write
+No lock, one owner: slot allocators, LRUs, PayloadSlab.owner, HeldDigests' writes, GC and the write
 thread's own bookkeeping belong to the write thread (and to recovery before any thread starts).
 What relies on the GIL (CPython with a GIL; a free-threaded build would need these under `lock`):
   - the hit query reads the LRUs' HeldDigests (a dict lookup, a table probe of single 64-bit stores)
@@ -44,15 +44,15 @@ import time
 from typing import Callable, Optional
 
 from .acks import Ack, AckKind, OpState
-from .blob import key_digester, key_digests
+from .format.blob import key_digester, key_digests
 from .config import L3Config
 from .errors import L3InvariantError
 from .held import HeldDigests
-from .index import IndexEntry, LmdbIndex
-from .io_pool import IoPool
+from .format.index import IndexEntry, LmdbIndex
+from .io_threads import IoThreads
 from .messages import Clear, Delete, Message, Stop, Touch, WriteBatch, WriteTask
-from .ownership import RankLock
-from .payload_pool import PayloadPool
+from .format.ownership import RankLock
+from .payload_slab import PayloadSlab
 from .ratelog import RateLimitedLog
 from .recovery import write_record as write_cold_start_record
 from .staging import Staging
@@ -76,7 +76,7 @@ _MAX_TOUCHES = 65536  # queued LRU touches; advisory, so more are dropped rather
 
 
 class StoreState:
-    def __init__(self, config: L3Config, rank: int, *, index: LmdbIndex, pools: dict[str, PayloadPool],
+    def __init__(self, config: L3Config, rank: int, *, index: LmdbIndex, pools: dict[str, PayloadSlab],
                  held: HeldDigests, staging: Staging, slab_dir: str, locks: list[RankLock], native):
         self.config = config
         self.rank = rank
@@ -114,14 +114,14 @@ class StoreState:
         self.closed = False
         self.fatal: Optional[BaseException] = None
         self.io_cond = threading.Condition()
-        self.io_tasks = 0       # I/O pool tasks submitted and not yet finished
+        self.io_tasks = 0       # I/O thread tasks submitted and not yet finished
         self._clock_lock = threading.Lock()
         self._last_seq = 0
         self._op_ids = itertools.count(1)
 
     # ---------------------------------------------------------------- lookups and counters
 
-    def pool(self, payload: str) -> PayloadPool:
+    def pool(self, payload: str) -> PayloadSlab:
         pool = self.pools.get(payload)
         if pool is None:
             raise KeyError(f"payload: {payload!r} was not opened by this store; known: {sorted(self.pools)}")
@@ -142,7 +142,7 @@ class StoreState:
             self._last_seq = t
             return t
 
-    def touch(self, pool: PayloadPool, ikey: bytes, now: int) -> None:
+    def touch(self, pool: PayloadSlab, ikey: bytes, now: int) -> None:
         if len(self.touches) >= _MAX_TOUCHES:
             self.count("touches_dropped")
             return
@@ -238,18 +238,18 @@ class StoreState:
         if self.fatal is not None:
             raise L3InvariantError(f"L3 store stopped after an internal error: {self.fatal!r}") from self.fatal
 
-    # ---------------------------------------------------------------- I/O pool tasks
+    # ---------------------------------------------------------------- I/O thread tasks
 
-    def submit_io(self, pool: IoPool, fn, *args) -> bool:
+    def submit_io(self, threads: IoThreads, fn, *args) -> bool:
         """Executor futures swallow exceptions; a task that dies outside its own handlers is a bug in
         this store, so it turns fatal (and fails every waiting op) instead of leaving callers hanging.
         Tasks are counted so that close() can tell when no thread is inside a syscall any more.
-        False: the pool was shut down (the caller settles what the task would have)."""
+        False: the threads were shut down (the caller settles what the task would have)."""
         with self.io_cond:
             self.io_tasks += 1
         try:
-            fut = pool.submit(fn, *args)
-        except RuntimeError:  # the pool was shut down by a close() that raced this submit
+            fut = threads.submit(fn, *args)
+        except RuntimeError:  # the threads were shut down by a close() that raced this submit
             self._io_task_done(None)
             return False
         fut.add_done_callback(self._io_task_done)
@@ -333,7 +333,7 @@ def release_locks(locks: list[RankLock]) -> None:
         lock.release()
 
 
-def page_view(pool: PayloadPool, obj, i: int, arg: str, writable: bool) -> memoryview:
+def page_view(pool: PayloadSlab, obj, i: int, arg: str, writable: bool) -> memoryview:
     """A caller's page as a flat byte view, checked against the payload's page size."""
     try:
         mv = memoryview(obj)

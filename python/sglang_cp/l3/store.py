@@ -19,9 +19,9 @@ from typing import Optional
 from .acks import Ack, OpState
 from .config import L3Config
 from .contract import PageStore, PendingRead, PendingWrite
-from .disk_slab import FaultInjector
+from .format.disk_slab import FaultInjector
 from .hits import HitQuery
-from .index import index_key
+from .format.index import index_key
 from .messages import UNANSWERED, Clear, Delete, Reply, Stop
 from .opening import check_args, open_state, recover
 from .reads import ReadPath

@@ -14,10 +14,10 @@ from typing import Optional
 import numpy as np
 
 from .acks import AckKind, OpState
-from .blob import crc32c
-from .index import IndexUnavailable, index_key
+from .format.blob import crc32c
+from .format.index import IndexUnavailable, index_key
 from .messages import WriteBatch, WriteTask
-from .payload_pool import PayloadPool
+from .payload_slab import PayloadSlab
 from .state import StoreState, page_view
 
 # Staged pages are handed to the write thread in messages of about this size: big enough to keep
@@ -114,7 +114,7 @@ class WriteSubmitter:
         task.waiters.append((op, i))
         return False
 
-    def _stage_zero_copy(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, digest: bytes,
+    def _stage_zero_copy(self, op: OpState, i: int, pool: PayloadSlab, ikey: bytes, digest: bytes,
                          view: memoryview, deadline: Optional[float], batch: _Batch) -> bool:
         """The sync caller waits for DURABLE, or under a bound gives up on (and so never indexes) the
         pages still being written from its memory: write from it, no staging copy. Under a bound each
@@ -140,7 +140,7 @@ class WriteSubmitter:
         batch.add(task)
         return True
 
-    def _stage_copy(self, op: OpState, i: int, pool: PayloadPool, ikey: bytes, digest: bytes,
+    def _stage_copy(self, op: OpState, i: int, pool: PayloadSlab, ikey: bytes, digest: bytes,
                     view: memoryview, deadline: Optional[float], batch: _Batch) -> bool:
         st = self.st
         buf = st.staging.acquire(pool.extent, blocking=False)

@@ -1,4 +1,4 @@
-"""The store's write thread: sole owner of slot pools, LRU and GC.
+"""The store's write thread: sole owner of slot allocators, LRU and GC.
 
 Pipeline per page: staged by the caller (submit.py) -> slot allocated here -> O_DIRECT write on a write
 I/O thread -> group commit on the commit thread (commit.py: fdatasync of the touched slabs, then one
@@ -22,10 +22,10 @@ from .commit import GroupCommitter
 from .errors import L3InvariantError
 from .fence import CommitFence
 from .gc import WatermarkPolicy
-from .index import IndexEntry, IndexFull, IndexUnavailable
-from .io_pool import IoPool
+from .format.index import IndexEntry, IndexFull, IndexUnavailable
+from .io_threads import IoThreads
 from .messages import Clear, CommitJob, Committed, Delete, Drop, IoDone, Reply, Stop, WriteBatch, WriteTask
-from .payload_pool import PayloadPool
+from .payload_slab import PayloadSlab
 from .recovery import run_cold_start
 from .state import StoreState
 
@@ -57,7 +57,7 @@ class WriteThread:
         cfg = st.config
         self._gc_policy = {p: WatermarkPolicy(cfg.gc.high_watermark, cfg.gc.low_watermark, cfg.gc.max_reclaim_per_iter)
                            for p in st.pools}
-        self._io = IoPool(cfg.io.threads, f"l3w-r{st.rank}")
+        self._io = IoThreads(cfg.io.threads, f"l3w-r{st.rank}")
         self._committer = GroupCommitter(st)
         self._thread = threading.Thread(target=self._main, name=f"l3-writer-r{st.rank}", daemon=True)
 
@@ -284,7 +284,7 @@ class WriteThread:
         for op, i in early:
             st.finish(op, i, AckKind.DURABLE, True)
 
-    def _write_failed(self, pool: PayloadPool, run: list[WriteTask], err: OSError) -> None:
+    def _write_failed(self, pool: PayloadSlab, run: list[WriteTask], err: OSError) -> None:
         if not run:
             return
         code = errno.errorcode.get(err.errno, str(err.errno))
@@ -386,7 +386,7 @@ class WriteThread:
             if n:
                 self._reclaim(pool, min(n, len(pool.lru)), forced=False)
 
-    def _reclaim(self, pool: PayloadPool, n: int, forced: bool) -> None:
+    def _reclaim(self, pool: PayloadSlab, n: int, forced: bool) -> None:
         if n <= 0:
             return
         victims = pool.lru.coldest(n)
@@ -395,7 +395,7 @@ class WriteThread:
             if forced:
                 self.st.count("gc_forced", len(victims))
 
-    def _delete_then_free(self, pool: PayloadPool, victims: list[tuple[bytes, IndexEntry]]) -> bool:
+    def _delete_then_free(self, pool: PayloadSlab, victims: list[tuple[bytes, IndexEntry]]) -> bool:
         """Index delete is committed (durable) before any victim slot goes back to the free list."""
         if not victims:
             return True
@@ -419,7 +419,7 @@ class WriteThread:
             with st.lock:
                 st.dropping.discard(m.ikey)
 
-    def _drop_page(self, pool: PayloadPool, ikey: bytes, e: IndexEntry, deleted: Optional[bool]) -> None:
+    def _drop_page(self, pool: PayloadSlab, ikey: bytes, e: IndexEntry, deleted: Optional[bool]) -> None:
         st = self.st
         cur = pool.lru.get(ikey)
         ours = cur is not None and (cur.slot, cur.seq) == (e.slot, e.seq)

@@ -45,15 +45,15 @@ def slab_path(store: L3Store, payload: str = "kv") -> str:
 
 
 def slot_of(store: L3Store, key: bytes, payload: str = "kv") -> int:
-    from sglang_cp.l3.blob import key_digest
-    from sglang_cp.l3.index import index_key
+    from sglang_cp.l3.format.blob import key_digest
+    from sglang_cp.l3.format.index import index_key
     pool = store.state.pools[payload]
     return pool.lru.get(index_key(pool.tag, key_digest(store.rank, key), store.rank)).slot
 
 
 def index_rows(store: L3Store, payloads: list[str], keys: list[bytes]) -> list[list[bytes]]:
     """The index keys of each key in every payload, one row per key (LmdbIndex.exists_prefix's input)."""
-    from sglang_cp.l3.index import index_key
+    from sglang_cp.l3.format.index import index_key
     st = store.state
     return [[index_key(st.pool(p).tag, st.digest(k), store.rank) for p in payloads] for k in keys]
 

@@ -11,7 +11,7 @@ import pytest
 
 from l3_helpers import held_sync, page, wait_for
 from sglang_cp.l3 import writer
-from sglang_cp.l3.blob import write_extent
+from sglang_cp.l3.format.blob import write_extent
 from sglang_cp.l3.messages import Clear, Delete
 
 P = 16384

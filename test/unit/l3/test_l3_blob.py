@@ -1,14 +1,14 @@
-"""Blob header format and slot pool: round trips, every single-bit corruption detected, loud misuse."""
+"""Blob header format and slot allocator: round trips, every single-bit corruption detected, loud misuse."""
 
 import struct
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sglang_cp.l3.blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, default_slot_bytes,
+from sglang_cp.l3.format.blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, default_slot_bytes,
                                header_block, key_digest, pack_header, parse_header, payload_tag, write_extent)
 from sglang_cp.l3.errors import L3InvariantError
-from sglang_cp.l3.slot_pool import SlotPool
+from sglang_cp.l3.slot_allocator import SlotAllocator
 
 headers = st.builds(BlobHeader, payload_tag=st.integers(0, 2**32 - 1), rank=st.integers(0, 2**32 - 1),
                     slot=st.integers(0, 2**32 - 1), length=st.integers(0, 2**63), digest=st.binary(min_size=16, max_size=16),
@@ -80,18 +80,18 @@ def test_geometry(page, extent):
     assert off <= page and page + HEADER_BYTES <= off + length <= extent
 
 
-# -- slot pool ------------------------------------------------------------------------------------------
+# -- slot allocator -------------------------------------------------------------------------------------
 
-def test_slot_pool_alloc_free_full():
-    p = SlotPool(4, "t")
+def test_slot_allocator_alloc_free_full():
+    p = SlotAllocator(4, "t")
     got = [p.alloc() for _ in range(4)]
     assert sorted(got) == [0, 1, 2, 3] and p.alloc() is None and p.occupancy() == 1.0
     p.free_slot(2)
     assert p.alloc() == 2
 
 
-def test_slot_pool_loud_misuse():
-    p = SlotPool(3, "t")
+def test_slot_allocator_loud_misuse():
+    p = SlotAllocator(3, "t")
     s = p.alloc()
     p.free_slot(s)
     with pytest.raises(L3InvariantError, match="double free"):
@@ -103,13 +103,13 @@ def test_slot_pool_loud_misuse():
     with pytest.raises(L3InvariantError, match="claimed twice"):
         p.rebuild_from_allocated([1, 1])
     with pytest.raises(ValueError, match="num_slots"):
-        SlotPool(0)
+        SlotAllocator(0)
 
 
 @settings(max_examples=200)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 31)), max_size=200))
-def test_slot_pool_matches_model(ops):
-    p, used = SlotPool(32, "m"), set()
+def test_slot_allocator_matches_model(ops):
+    p, used = SlotAllocator(32, "m"), set()
     for do_alloc, pick in ops:
         if do_alloc:
             s = p.alloc()
@@ -127,7 +127,7 @@ def test_slot_pool_matches_model(ops):
 
 @given(st.sets(st.integers(0, 63)))
 def test_rebuild_from_allocated_never_hands_out_live_slots(live):
-    p = SlotPool(64, "r")
+    p = SlotAllocator(64, "r")
     p.rebuild_from_allocated(live)
     handed = [p.alloc() for _ in range(64 - len(live))]
     assert set(handed).isdisjoint(live) and p.alloc() is None

@@ -255,7 +255,7 @@ def test_runs_dispatched_after_close_gave_up_are_settled(make_store):
     full pool) and shuts the write I/O pool. When the txn returns, the thread still dispatches the pages
     it had taken; those runs cannot be submitted any more and must be settled, not dropped: once the
     thread is gone every slot is durable or free, and staging is back."""
-    from sglang_cp.l3.blob import write_extent
+    from sglang_cp.l3.format.blob import write_extent
     s = make_store(capacity_gb=8.5 * write_extent(P) / 1e9, gc={"high_watermark": 1.0, "low_watermark": 0.5})
     assert all(s.write_pages("kv", keys(8), [page(i) for i in range(8)]))
     assert s.stats()["occupancy"]["kv"] == {"used": 8, "total": 8, "durable": 8}

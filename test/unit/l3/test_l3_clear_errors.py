@@ -8,7 +8,7 @@ for an I/O error under the LMDB environment); everything else is the real store 
 import numpy as np
 
 from l3_helpers import page
-from sglang_cp.l3.index import IndexUnavailable
+from sglang_cp.l3.format.index import IndexUnavailable
 
 P = 16384
 

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from l3_helpers import flip, page, slab_path, slot_offset
-from sglang_cp.l3.blob import HEADER_BYTES
+from sglang_cp.l3.format.blob import HEADER_BYTES
 
 P = 16384
 N = 16

@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from sglang_cp.l3 import L3StartupError
-from sglang_cp.l3.index import LmdbIndex
+from sglang_cp.l3.format.index import LmdbIndex
 from sglang_cp.l3.recovery import record_path
 
 KV = {"kv": 16384}

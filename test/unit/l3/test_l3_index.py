@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from sglang_cp.l3.errors import L3StartupError
-from sglang_cp.l3.index import IndexEntry, IndexFull, LmdbIndex, index_key
+from sglang_cp.l3.format.index import IndexEntry, IndexFull, LmdbIndex, index_key
 
 
 def e(slot, rank=0, seq=1, la=1):
@@ -66,7 +66,7 @@ def test_mapfull_grows_then_fails_soft(l3_root):
 
 CHILD = textwrap.dedent("""
     import sys
-    from sglang_cp.l3.index import IndexEntry, LmdbIndex, index_key
+    from sglang_cp.l3.format.index import IndexEntry, LmdbIndex, index_key
     path, rank = sys.argv[1], int(sys.argv[2])
     ix = LmdbIndex(path, 64 << 10, 64 << 20)
     for b in range(20):
@@ -96,7 +96,7 @@ def test_open_retries_when_another_rank_grew_the_map_meanwhile(l3_root, monkeypa
     the open is retried, boundedly, and a persistent failure is a startup error naming index.dir."""
     import lmdb
 
-    import sglang_cp.l3.index as index_mod
+    import sglang_cp.l3.format.index as index_mod
 
     real_open, calls = lmdb.open, []
 

@@ -13,8 +13,8 @@ import pytest
 
 from l3_helpers import config_doc, each_reference, page
 from sglang_cp.l3 import L3Store, L3StartupError, parse_l3_config
-from sglang_cp.l3.blob import payload_tag
-from sglang_cp.l3.index import FORMAT, META_KEY, IndexEntry, LmdbIndex, index_key, key_prefix
+from sglang_cp.l3.format.blob import payload_tag
+from sglang_cp.l3.format.index import FORMAT, META_KEY, IndexEntry, LmdbIndex, index_key, key_prefix
 
 P = 4096
 
@@ -170,7 +170,7 @@ def test_key_prefix_asks_about_the_same_keys(make_store):
 
 def test_the_lru_digest_set_follows_the_lru():
     from sglang_cp.l3.gc import PageLRU
-    from sglang_cp.l3.index import ikey_digest
+    from sglang_cp.l3.format.index import ikey_digest
     lru = PageLRU()
     ks = [index_key(7, i.to_bytes(16, "big"), 3) for i in range(4)]
     for i, k in enumerate(ks):
@@ -189,7 +189,7 @@ def test_the_lru_digest_set_follows_the_lru():
 def test_str_keys_ask_about_their_utf8_bytes(make_store):
     """The backend passes upstream's page hashes (str) as they are; the store hashes their UTF-8 bytes, so
     the answers equal those of the encoded keys, holes and chunk edges included."""
-    from sglang_cp.l3.blob import key_digests
+    from sglang_cp.l3.format.blob import key_digests
     s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.04)
     head = "id/0of2/".encode()
     tails = ["%03x" % i if i % 7 else "é%d" % i for i in range(300)]  # some non-ASCII
@@ -217,7 +217,7 @@ def test_str_keys_ask_about_their_utf8_bytes(make_store):
 def test_a_page_being_dropped_is_a_miss_even_in_a_fully_held_chunk(make_store):
     """A bad page a reader found stays in the LRU until the write thread releases it; meanwhile the hit
     query must not offer it, also where every key of its chunk is held (the chunk's fast path)."""
-    from sglang_cp.l3.blob import key_digest
+    from sglang_cp.l3.format.blob import key_digest
     s = make_store(payloads={"kv": P, "ix": P}, capacity_gb=0.04)
     ks = [b"dr/%d" % i for i in range(200)]
     for p in ("kv", "ix"):

@@ -6,8 +6,8 @@ import pytest
 
 from l3_helpers import config_doc, page
 from sglang_cp.l3 import L3ConfigError, L3Store, parse_l3_config
-from sglang_cp.l3.fsck import find_slabs, open_index
-from sglang_cp.l3.occupancy import collect
+from sglang_cp.l3.tools.fsck import find_slabs, open_index
+from sglang_cp.l3.tools.occupancy import collect
 
 
 @pytest.mark.parametrize("bad", ["", "-x", "a/b", "..", "x" * 65, 3, "sp ace"])

@@ -16,9 +16,9 @@ import pytest
 from l3_helpers import config_doc, page
 from sglang_cp.l3 import L3Store, parse_l3_config
 from sglang_cp.l3 import native
-from sglang_cp.l3.blob import digest_list, key_digests
+from sglang_cp.l3.format.blob import digest_list, key_digests
 from sglang_cp.l3.errors import L3ConfigError, L3StartupError
-from sglang_cp.l3.native_digest import NativeDigests
+from sglang_cp.l3.native.digests import NativeDigests
 
 P = 4096
 
@@ -80,7 +80,7 @@ def test_a_library_whose_digests_differ_is_refused(tmp_path, monkeypatch):
     cc = shutil.which(os.environ.get("CC", "cc").split()[0])
     if cc is None:
         pytest.skip("needs a C compiler to build a deliberately wrong library")
-    src = os.path.join(os.path.dirname(native.__file__), "native")
+    src = os.path.dirname(native.__file__)  # the C sources sit beside their ctypes loader
     bad = tmp_path / "key_digests.c"
     with open(os.path.join(src, "key_digests.c")) as f:
         bad.write_text(f.read().replace("0x6a09e667f3bcc908ULL", "0x6a09e667f3bcc909ULL", 1))

@@ -22,9 +22,9 @@ import pytest
 
 from l3_helpers import config_doc, page
 from sglang_cp.l3 import L3Store, native, parse_l3_config
-from sglang_cp.l3.index import index_key
+from sglang_cp.l3.format.index import index_key
 from sglang_cp.l3.errors import L3ConfigError, L3InvariantError, L3StartupError
-from sglang_cp.l3.native_reads import CHUNK_BYTES, NativeReader
+from sglang_cp.l3.native.reads import CHUNK_BYTES, NativeReader
 
 MiB = 1 << 20
 
@@ -136,7 +136,7 @@ def test_the_gate_race_check_catches_a_gate_that_does_not_close(l3_root, tmp_pat
     cc = shutil.which(os.environ.get("CC", "cc").split()[0])
     if cc is None:
         pytest.skip("needs a C compiler to build the broken engine")
-    src = os.path.join(os.path.dirname(native.__file__), "native")
+    src = os.path.dirname(native.__file__)  # the C sources sit beside their ctypes loader
     with open(os.path.join(src, "read_pages.c")) as f:
         text = f.read()
     broken = text.replace("if (__atomic_load_n(&g->closed, __ATOMIC_SEQ_CST)) {", "if (0) {", 1)
@@ -192,7 +192,7 @@ def test_engine_contract_is_checked(l3_root, lib):
     try:
         pool = s.state.pools["kv"]
         reader = NativeReader(1)
-        import sglang_cp.l3.native_reads as nr
+        import sglang_cp.l3.native.reads as nr
         old = nr.CHUNK_BYTES
         nr.CHUNK_BYTES = 1000
         try:

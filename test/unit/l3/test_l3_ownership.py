@@ -1,5 +1,5 @@
 """One owner per L3 rank: a second process opening the same rank fails at startup instead of
-destroying the first one's acked pages (l3/ownership.py), with real processes and real files."""
+destroying the first one's acked pages (l3/format/ownership.py), with real processes and real files."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 
 from l3_helpers import config_doc, page
 from sglang_cp.l3 import L3Store, parse_l3_config
-from sglang_cp.l3.ownership import L3OwnershipError, RankLock, lock_path, probe
+from sglang_cp.l3.format.ownership import L3OwnershipError, RankLock, lock_path, probe
 
 P = 16384
 N = 50

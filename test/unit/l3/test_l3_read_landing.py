@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from l3_helpers import device_before_bound, page
-from sglang_cp.l3.aligned import address_of
+from sglang_cp.l3.format.aligned import address_of
 
 P = 16384
 

@@ -7,8 +7,8 @@ import pytest
 
 from l3_helpers import config_doc, page, slab_path, slot_offset, flip
 from sglang_cp.l3 import L3Store, parse_l3_config
-from sglang_cp.l3.blob import key_digest
-from sglang_cp.l3.index import index_key
+from sglang_cp.l3.format.blob import key_digest
+from sglang_cp.l3.format.index import index_key
 
 P = 16384
 

@@ -17,12 +17,12 @@ import textwrap
 
 import pytest
 
-import sglang_cp.l3.index as index_mod
-from sglang_cp.l3.index import IndexEntry, LmdbIndex, index_key
+import sglang_cp.l3.format.index as index_mod
+from sglang_cp.l3.format.index import IndexEntry, LmdbIndex, index_key
 
 READER = textwrap.dedent("""
     import sys, time
-    from sglang_cp.l3.index import LmdbIndex
+    from sglang_cp.l3.format.index import LmdbIndex
     ix = LmdbIndex(sys.argv[1], 1 << 20, 1 << 30)
     def hold(txn):
         txn.stat()

@@ -8,7 +8,7 @@ import pytest
 
 from l3_helpers import page, settle, wait_for
 from sglang_cp.l3 import AckKind, L3StartupError, L3Store, parse_l3_config
-from sglang_cp.l3.blob import write_extent
+from sglang_cp.l3.format.blob import write_extent
 
 P = 16384
 
@@ -382,7 +382,7 @@ def _anon_huge_kib(addr: int) -> int:
 
 
 def test_staging_arena_is_populated_and_on_huge_pages_where_thp_allows():
-    from sglang_cp.l3.aligned import address_of, aligned_buffer
+    from sglang_cp.l3.format.aligned import address_of, aligned_buffer
     mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     buf = aligned_buffer(64 << 20, populate=True, huge=True)
     addr = address_of(buf)

@@ -11,7 +11,7 @@ import pytest
 
 from l3_helpers import WAIT_S, config_doc, held_sync, index_rows, page, wait_for
 from sglang_cp.l3 import L3ConfigError, parse_l3_config
-from sglang_cp.l3.blob import key_digest, key_digester, key_digests
+from sglang_cp.l3.format.blob import key_digest, key_digester, key_digests
 
 P = 16384
 

@@ -65,7 +65,7 @@ def check_no_live_owner(server_args) -> None:
     f = cp_args.flags_of(server_args)
     if not (f.enable_cp_l3 and f.cp_l3_config):
         return
-    from sglang_cp.l3.ownership import probe
+    from sglang_cp.l3.format.ownership import probe
 
     cfg = cp_args.load_config(f.cp_l3_config)
     for directory in [cfg.index_dir] + [cfg.slab_dir(d.path) for d in cfg.disks]:

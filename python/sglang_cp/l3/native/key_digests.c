@@ -1,7 +1,7 @@
 /* Key digests of the L3 hit query, many keys per call: blake2b-128 of (prefix || key), personalized,
  * exactly what hashlib.blake2b(prefix + key, digest_size=16, person=person).digest() gives (RFC 7693).
  * Part of the store's native library (built by the package build, setup.py), used when
- * index.digest_threads > 0 (sglang_cp/l3/native_digest.py) and called through ctypes, which releases
+ * index.digest_threads > 0 (sglang_cp/l3/native/digests.py) and called through ctypes, which releases
  * the GIL: the caller splits a big query over threads. Plain C, no Python headers. */
 #include <stdint.h>
 #include <string.h>

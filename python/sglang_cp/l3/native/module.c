@@ -1,7 +1,7 @@
 /* The Python face of the L3 store's native library: an empty module, so that the package build
  * compiles these sources into sglang_cp/l3/_native (a stable-ABI extension: one build serves every
  * Python >= 3.10) and the import system can locate the file. The functions themselves are plain C,
- * called through ctypes (which releases the GIL for each call): sglang_cp/l3/native.py. */
+ * called through ctypes (which releases the GIL for each call): sglang_cp/l3/native/__init__.py. */
 #define Py_LIMITED_API 0x030A0000
 #include <Python.h>
 

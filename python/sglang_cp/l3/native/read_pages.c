@@ -31,7 +31,7 @@
 #define BLOB_VERSION 2u
 static const uint8_t MAGIC[4] = {'C', 'P', 'L', '3'};
 
-/* One page of a read. Python fills offset..digest and reads status/detail (sglang_cp/l3/native.py). */
+/* One page of a read. Python fills offset..digest and reads status/detail (sglang_cp/l3/native/__init__.py). */
 typedef struct {
     uint64_t offset;  /* file offset of the slot */
     uint64_t dst;     /* address of the caller's page (page_bytes writable bytes) */
@@ -126,7 +126,7 @@ static int64_t read_at(int fd, uint8_t *buf, size_t len, uint64_t off) {
 static uint32_t le32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
 static uint64_t le64(const uint8_t *p) { return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32; }
 
-/* The header layout of sglang_cp/l3/blob.py (<4sHHIIIIQ16sQI + header CRC32C). Returns CPL3_OK and the
+/* The header layout of sglang_cp/l3/format/blob.py (<4sHHIIIIQ16sQI + header CRC32C). Returns CPL3_OK and the
  * payload CRC, or the reason the blob is not the one the index named. */
 static int check_header(const uint8_t *h, uint32_t tag, uint32_t rank, uint32_t slot, uint64_t length,
                         const uint8_t digest[16], uint32_t *payload_crc, int32_t *detail) {

@@ -10,10 +10,10 @@ from typing import Iterable
 from .errors import L3InvariantError
 
 
-class SlotPool:
+class SlotAllocator:
     def __init__(self, num_slots: int, name: str = ""):
         if num_slots < 1:
-            raise ValueError(f"SlotPool {name!r}: num_slots must be >= 1, got {num_slots}")
+            raise ValueError(f"SlotAllocator {name!r}: num_slots must be >= 1, got {num_slots}")
         self.name = name
         self.num_slots = num_slots
         self._used = bytearray(num_slots)
@@ -37,14 +37,14 @@ class SlotPool:
             return None
         s = self._free.pop()
         if self._used[s]:
-            raise L3InvariantError(f"slot pool {self.name!r}: free list handed out slot {s} which is in use")
+            raise L3InvariantError(f"slot allocator {self.name!r}: free list handed out slot {s} which is in use")
         self._used[s] = 1
         return s
 
     def free_slot(self, slot: int) -> None:
         self._check(slot)
         if not self._used[slot]:
-            raise L3InvariantError(f"slot pool {self.name!r}: double free of slot {slot}")
+            raise L3InvariantError(f"slot allocator {self.name!r}: double free of slot {slot}")
         self._used[slot] = 0
         self._free.append(slot)
 
@@ -58,7 +58,7 @@ class SlotPool:
         for s in allocated:
             self._check(s)
             if used[s]:
-                raise L3InvariantError(f"slot pool {self.name!r}: slot {s} claimed twice during rebuild")
+                raise L3InvariantError(f"slot allocator {self.name!r}: slot {s} claimed twice during rebuild")
             used[s] = 1
         self._used = used
         self._free = [s for s in range(self.num_slots - 1, -1, -1) if not used[s]]
@@ -68,4 +68,4 @@ class SlotPool:
 
     def _check(self, slot: int) -> None:
         if not (isinstance(slot, int) and 0 <= slot < self.num_slots):
-            raise L3InvariantError(f"slot pool {self.name!r}: slot {slot!r} out of range [0, {self.num_slots})")
+            raise L3InvariantError(f"slot allocator {self.name!r}: slot {slot!r} out of range [0, {self.num_slots})")

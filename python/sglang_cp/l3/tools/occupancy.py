@@ -11,9 +11,9 @@ import os
 import time
 from collections import defaultdict
 
-from .config import L3Config
+from ..config import L3Config
 from .fsck import all_entries, find_slabs, open_index
-from .recovery import read_records
+from ..recovery import read_records
 
 
 GC_STATES = {

@@ -10,7 +10,7 @@ The digests are bit-identical to ``blob.key_digests`` (the index format does not
 is checked against hashlib when the store opens, and a mismatch refuses the start.
 
 The C source (native/key_digests.c) is compiled by the package build into the store's native library
-(l3/native.py); nothing is compiled on the serving host.
+(l3/native/__init__.py); nothing is compiled on the serving host.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from . import native
-from .blob import mixed_keys_error
-from .errors import L3InvariantError, L3StartupError
+from .. import native
+from ..format.blob import mixed_keys_error
+from ..errors import L3InvariantError, L3StartupError
 
 FIELD = "index.digest_threads"
 WAIT_S = 30.0  # one slice of a query is microseconds of CPU; a slice not back by then is a bug

@@ -1,10 +1,10 @@
-"""IoPool: the store's I/O threads, as daemon threads that interpreter exit does not wait for.
+"""IoThreads: the store's I/O threads, as daemon threads that interpreter exit does not wait for.
 
 A ThreadPoolExecutor's workers are joined at interpreter exit (concurrent.futures registers that join
 with threading's exit hooks), so one preadv / pwritev / fdatasync stuck in a dead device kept the
 process alive after close(timeout) had returned, until the request came back: minutes, or never. The
 store's close() already leaves such a thread behind on purpose (it fails every pending op and keeps the
-files open for it); the process must then be able to exit. IoPool keeps the executor's interface the
+files open for it); the process must then be able to exit. IoThreads keeps the executor's interface the
 store uses (submit -> Future, shutdown(wait, cancel_futures), RuntimeError after shutdown) over a fixed
 number of daemon threads, started at open.
 
@@ -21,10 +21,10 @@ import threading
 from concurrent.futures import Future
 
 
-class IoPool:
+class IoThreads:
     def __init__(self, threads: int, name: str):
         if threads < 1:
-            raise ValueError(f"IoPool: threads must be >= 1, got {threads}")
+            raise ValueError(f"IoThreads: threads must be >= 1, got {threads}")
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit against shutdown
         self._shut = False

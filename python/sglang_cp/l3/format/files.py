@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 
-from .errors import L3StartupError
+from ..errors import L3StartupError
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600

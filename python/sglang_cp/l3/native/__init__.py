@@ -4,9 +4,9 @@ The package build compiles `native/*.c` into the stable-ABI extension `sglang_cp
 nothing is compiled on a serving host. Its functions are plain C called through ctypes, which releases
 the GIL for each call, so I/O threads and digest threads run them in parallel:
   cpl3_crc32c             CRC32C (SSE4.2, three chains), the checksum of every blob
-  cpl3_read_pages         the native read engine (io.read_engine = "native"): native_reads.py
+  cpl3_read_pages         the native read engine (io.read_engine = "native"): native/reads.py
   cpl3_gate_close         closes an operation's permission to write the caller's pages
-  cpl3_digests_sep/_ends  the hit query's key digests (index.digest_threads > 0): native_digest.py
+  cpl3_digests_sep/_ends  the hit query's key digests (index.digest_threads > 0): native/digests.py
 A build without a C compiler installs without the library; a store configured to use it then refuses
 to start with the field and the fix (`unavailable`).
 """
@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import L3InvariantError, L3StartupError
+from ..errors import L3InvariantError, L3StartupError
 
 MODULE = "sglang_cp.l3._native"
 

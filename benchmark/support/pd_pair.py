@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from sglang_cp.server_process import GenResult, ServerProcess
+from .server_process import GenResult, ServerProcess
 
 
 def sharded_prefill_args(cp: int, bootstrap_port: int, transfer_backend: str = "nixl",

@@ -18,7 +18,7 @@ MAGIC = b"CPL3"
 # 2: the digest names (rank, key), shared by every payload of the key (1: one per payload); see key_digest.
 VERSION = 2
 HEADER_BYTES = 64
-ALIGN = 4096
+ALIGN = 4096  # O_DIRECT's unit: every slot, extent, file offset and I/O buffer is a multiple of it
 _FMT = struct.Struct("<4sHHIIIIQ16sQI")  # everything except the trailing header CRC
 assert _FMT.size == HEADER_BYTES - 4
 
@@ -80,7 +80,7 @@ def key_digests(rank: int, native=None):
     """(keys, prefix=b"") -> [key_digest(rank, prefix + k) for k in keys]: one Python loop with no call per
     key, and a common prefix hashed once (the hit query). Keys are all bytes, or all str (taken as their
     UTF-8 bytes, encoded inside the loop: cheaper than a list of encoded copies first).
-    With `native` (a native_digest.NativeDigests) the same digests come back as one bytes object,
+    With `native` (a native.digests.NativeDigests) the same digests come back as one bytes object,
     digest i at [16 i, 16 i + 16) (digest_list splits it where a list is needed)."""
     if native is not None:
         person = _person(rank)

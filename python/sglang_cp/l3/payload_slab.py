@@ -6,17 +6,17 @@ start). Slot I/O (`seal_*`, `verify_landed`) runs on I/O threads and touches onl
 
 from __future__ import annotations
 
-from .aligned import ALIGN, BounceBuffers, address_of
-from .blob import (HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
+from .format.aligned import BounceBuffers, address_of
+from .format.blob import (ALIGN, HEADER_BYTES, BlobError, BlobHeader, check_identity, crc32c, header_block, pack_header,
                    parse_header, payload_tag, write_extent)
-from .disk_slab import DiskSlab
+from .format.disk_slab import DiskSlab
 from .errors import L3InvariantError
 from .gc import PageLRU
-from .index import IndexEntry
-from .slot_pool import SlotPool
+from .format.index import IndexEntry
+from .slot_allocator import SlotAllocator
 
 
-class PayloadPool:
+class PayloadSlab:
     def __init__(self, name: str, page_bytes: int, rank: int, slab: DiskSlab):
         self.name = name
         self.tag = payload_tag(name)
@@ -24,7 +24,7 @@ class PayloadPool:
         self.extent = write_extent(page_bytes)
         self.rank = rank
         self.slab = slab
-        self.slots = SlotPool(slab.num_slots, name)
+        self.slots = SlotAllocator(slab.num_slots, name)
         self.lru = PageLRU()
         self.owner: dict[int, bytes] = {}
 

@@ -17,7 +17,7 @@ and per slab slot (docs_internal/cachebench.md has the table and the exit codes)
 
 A live directory: a store that writes while fsck reads frees and rewrites slots under it,
 so entries read from the index snapshot turn ``dangling`` or even ``crc`` by the time their slot is
-read. ``live_owners`` names the ranks whose lock (``ownership.py``) a live store holds; the CLI refuses
+read. ``live_owners`` names the ranks whose lock (``format/ownership.py``) a live store holds; the CLI refuses
 to check such a directory unless ``--live``, and then ``confirm_live`` keeps a problem only if its
 entry still maps the same slot (same seq) after the slot was read, the rest turning ``transient``
 (informational). That is sound because of the store's order: a slot is freed only after its entry's
@@ -39,14 +39,14 @@ import stat
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from .aligned import ALIGN, aligned_buffer
-from .blob import (HEADER_BYTES, BlobError, crc32c, header_block, parse_header, payload_tag,
+from ..format.aligned import aligned_buffer
+from ..format.blob import (ALIGN, HEADER_BYTES, BlobError, crc32c, header_block, parse_header, payload_tag,
                    write_extent)
-from .config import L3Config
-from .index import IndexEntry, LmdbIndex, SharedIndex, ikey_digest
-from .ownership import Holder, probe
+from ..config import L3Config
+from ..format.index import IndexEntry, LmdbIndex, SharedIndex, ikey_digest
+from ..format.ownership import Holder, probe
 
-from .config import SLAB_SUBDIR  # noqa: F401  (re-exported: where the store keeps slabs)
+from ..config import SLAB_SUBDIR  # noqa: F401  (re-exported: where the store keeps slabs)
 _SLAB_NAME = re.compile(r"^r(\d+)\.([A-Za-z0-9_-]{1,64})\.s(\d+)\.slab$")
 SLAB_NAME = _SLAB_NAME  # r<rank>.<payload>.s<slot bytes>.slab
 PROBLEMS = ("dangling", "crc", "cross_rank", "collision")

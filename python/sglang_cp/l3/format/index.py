@@ -30,7 +30,7 @@ from typing import Iterable, NamedTuple, Optional
 
 import lmdb
 
-from .errors import L3InvariantError, L3StartupError
+from ..errors import L3InvariantError, L3StartupError
 from .files import FILE_MODE, check_private_file, fsync_dir, private_dirs
 
 _VAL = struct.Struct("<HHIIQQQ")

@@ -21,11 +21,11 @@ from typing import Optional
 
 import numpy as np
 
-from . import native
-from .aligned import address_of, huge_aligned_view
-from .errors import L3InvariantError
-from .payload_pool import PayloadPool
-from .state import CONTROL_TIMEOUT_S
+from .. import native
+from ..format.aligned import address_of, huge_aligned_view
+from ..errors import L3InvariantError
+from ..payload_slab import PayloadSlab
+from ..state import CONTROL_TIMEOUT_S
 
 FIELD = "io.read_engine"
 # Bytes read, checksummed and copied per step. Large enough that each pread is one efficient device
@@ -57,7 +57,7 @@ class NativeReader:
             raise L3InvariantError(f"a native chunk copy into the caller's memory did not end within "
                                    f"{CONTROL_TIMEOUT_S:g} s")
 
-    def read(self, pool: PayloadPool, slots: list[int], offsets: list[int], digests: list[bytes], outs: list,
+    def read(self, pool: PayloadSlab, slots: list[int], offsets: list[int], digests: list[bytes], outs: list,
              gate: native.Gate) -> np.ndarray:
         """Read, check and deliver the pages (slot i at file offset offsets[i]); returns the items (their
         `status`, `detail`: native.OK or the reason) in the order given."""

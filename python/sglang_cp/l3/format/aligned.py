@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-ALIGN = 4096
+from .blob import ALIGN
 
 
 def aligned_buffer(nbytes: int, populate: bool = False, huge: bool = False) -> mmap.mmap:

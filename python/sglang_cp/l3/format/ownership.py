@@ -26,7 +26,7 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import L3StartupError
+from ..errors import L3StartupError
 
 LOCK_SUFFIX = ".lock"
 

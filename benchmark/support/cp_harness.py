@@ -1,6 +1,6 @@
-"""Re-export of the CP testbed, which moved into the package
-(``sglang_cp.cachebench.cp_testbed``) so that ``sglang-cp cachebench`` can use it;
-existing tests and ``benchmark/hicache/bench_cp_l3.py`` import it from here.
+"""The CP rank testbed (``sglang_cp.cachebench.cp_testbed``, the product's, which ``sglang-cp cachebench``
+drives) as the CP tests and ``benchmark.hicache.bench_cp_l3`` use it: the same names, the tests' start
+method, and the token ids their prompts are made of.
 
 The tests' ``run_ranks`` starts its ranks as forks of a fork server that imported torch and
 upstream's HiCache stack once (``start="forkserver"``): every rank and every restart is still its own
@@ -19,3 +19,8 @@ from sglang_cp.cachebench.cp_testbed import (  # noqa: F401
 )
 
 run_ranks = functools.partial(cp_testbed.run_ranks, start="forkserver")
+
+
+def tokens_for(n_pages: int, seed: int = 0) -> list[int]:
+    """``n_pages`` pages of token ids, the same for the same seed in every process."""
+    return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(n_pages * PAGE)]

@@ -13,7 +13,7 @@ import os
 from typing import Callable, Optional
 
 from .blob import ALIGN, write_extent
-from .errors import L3InvariantError, L3StartupError
+from ..errors import L3InvariantError, L3StartupError
 from .files import fsync_dir, open_private
 
 FaultInjector = Callable[[str, "DiskSlab", int], None]
