@@ -30,6 +30,7 @@ from . import native
 from .errors import L3InvariantError
 from .native_reads import FIELD, NativeReader, read_items
 from .payload_pool import PayloadPool
+from .state import CONTROL_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class UringReader(NativeReader):
                 gate: native.Gate, drain_s: float = DRAIN_S) -> np.ndarray:
         """Read `items` (native.READ_ITEM) of the slab open at `fd`; each gets its status."""
         ring = self._take()
+        if ring is None:  # the store closed (a read that was stuck before it reached us): nothing to read with
+            items["status"] = native.CANCELLED
+            return items
         try:
             rc = self._lib.cpl3_uring_read(ring, fd, tag, rank, page_bytes, extent, items.ctypes.data, len(items),
                                            PIECE_BYTES, gate, drain_s)
@@ -167,8 +171,18 @@ class UringReader(NativeReader):
         with self._cond:
             self._closed = True
             rings, self._free = self._free, []
+            self._cond.notify_all()
         for ring in rings:
             self._close_ring(ring)
+
+    def _take(self):
+        """A free ring, or None once closed. Rings in calls are at most the I/O threads, one each: not getting
+        one in CONTROL_TIMEOUT_S means one leaked (loud)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._closed, CONTROL_TIMEOUT_S):
+                raise L3InvariantError(f"no io_uring ring came back in {CONTROL_TIMEOUT_S:g} s (more runs at once "
+                                       "than read I/O threads)")
+            return None if self._closed else self._free.pop()
 
     def _give(self, ring) -> None:
         with self._cond:
