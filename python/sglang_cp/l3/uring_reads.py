@@ -117,8 +117,9 @@ class UringReader(NativeReader):
         for _ in range(threads):
             err = ctypes.c_int32(0)
             ring = lib.cpl3_uring_open(depth, SLOT_BYTES, ctypes.byref(err))
-            if not ring:
-                self.close()
+            if not ring:  # none of these is in a call yet: close them all
+                for opened in self._rings:
+                    lib.cpl3_uring_close(opened)
                 raise UringRefused(err.value)
             self._rings.append(ring)
         self._free = list(self._rings)

@@ -144,6 +144,7 @@ static int enter(cpl3_uring *R, uint32_t to_submit, int wait, long wait_ns) {
     arg.ts = (uint64_t)(uintptr_t)&ts;
     unsigned flags = IORING_ENTER_EXT_ARG | (wait ? IORING_ENTER_GETEVENTS : 0);
     R->stats[ST_ENTERS]++;
+    __atomic_store_n(R->sq_tail, R->sq_local, __ATOMIC_RELEASE);  /* the SQEs filled in since the last enter */
     long rc = syscall(__NR_io_uring_enter, R->fd, to_submit, wait ? 1 : 0, flags, &arg, sizeof arg);
     if (rc < 0) return -errno;
     R->pending -= (uint32_t)rc < R->pending ? (uint32_t)rc : R->pending;
@@ -159,8 +160,7 @@ static struct io_uring_sqe *sqe_get(cpl3_uring *R) {
     R->sq_array[i] = i;
     R->sq_local++;
     R->pending++;
-    __atomic_store_n(R->sq_tail, R->sq_local, __ATOMIC_RELEASE);
-    return s;
+    return s;  /* published to the kernel by enter() */
 }
 
 static void ring_unmap(cpl3_uring *R) {
