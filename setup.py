@@ -3,7 +3,7 @@ hit-query key hasher), built here by the package build and shipped in the wheel,
 serving host at run time. Everything else is in pyproject.toml.
 
 The build is optional: without a C compiler the package installs without it, says so, and a store
-configured to use it (io.read_engine = "native", index.digest_threads > 0) refuses to start with an
+configured to use it (io.read_engine = "native" or "uring", index.digest_threads > 0) refuses to start with an
 error naming the field and the fix; the default Python paths need nothing compiled."""
 
 import sys
@@ -21,14 +21,15 @@ class OptionalBuildExt(build_ext):
         except Exception as e:  # noqa: BLE001  (distutils raises several unrelated types for a failed compile)
             sys.stderr.write(
                 f"WARNING: sglang-cp: building {ext.name} failed ({e}); installing without it. The L3 store's "
-                "native read engine and native key hasher are then unavailable (io.read_engine = \"python\" and "
+                "native and io_uring read engines and native key hasher are then unavailable "
+                "(io.read_engine = \"python\" and "
                 "index.digest_threads = 0 still work); install a C compiler and reinstall to get them.\n")
 
 
 setup(
     ext_modules=[Extension(
         "sglang_cp.l3._native",
-        sources=[NATIVE + f for f in ("module.c", "crc32c.c", "read_pages.c", "key_digests.c")],
+        sources=[NATIVE + f for f in ("module.c", "crc32c.c", "read_pages.c", "read_uring.c", "key_digests.c")],
         depends=[NATIVE + "cpl3_native.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fvisibility=default"],
         extra_link_args=["-pthread"],

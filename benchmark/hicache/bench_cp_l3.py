@@ -27,7 +27,8 @@ its own raw row over the same two directories, and print each CP=2 rank against 
 on its own device. Two directories on one filesystem are refused; two on one disk underneath
 (loop images on it) run with a warning, since they cannot show scaling.
 
-``--read-engine python|native|both``: io.read_engine of our rows (one row per engine). Every row also
+``--read-engine python|native|uring|both|all``: io.read_engine of our rows (one row per engine; both =
+python,native, all = the three; a comma-separated list works too). Every row also
 reports CPU seconds per GB (all threads of all the node's processes: what a rank's restore costs in
 cores, so what it can reach on a host with more cores than this one).
 
@@ -37,7 +38,7 @@ tmpfs accepts O_DIRECT (``/dev/shm``); on older kernels use ext4 on a loop file 
 copies, and "x raw" says how much of the machine the software leaves on the table.
 
     python -m benchmark.hicache.bench_cp_l3 [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
-        [--cp 1,2,4[,8]] [--read-engine python|native|both] [--backup-ack durable|written|operation|both|LIST]
+        [--cp 1,2,4[,8]] [--read-engine python|native|uring|both|all] [--backup-ack durable|written|operation|both|LIST]
         [--zero-copy off|on|both] [--phases] [--no-file]
 """
 
@@ -230,7 +231,9 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         checked, equal = r.check(hi2, completed // PAGE) if hi2 is not None else (0, 0)
         zero_copy_pages = (r.backend.store.stats()["counters"]["zero_copy_pages"] - zero_copy_0
                            if backend == "cp_l3" else 0)
+        engine = r.backend.store.stats()["read_engine_effective"] if backend == "cp_l3" else None
         return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
+                "read_engine": engine,
                 "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
                 "store_read_s": store_read_s, "store_hitq_s": store_hitq_s,
@@ -402,6 +405,9 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
             if zero_copy and r["zero_copy_pages"] != r["owned_pages"]:  # the row must measure what it names
                 raise SystemExit(f"{name}: rank {r['rank']} wrote {r['zero_copy_pages']} of {r['owned_pages']} "
                                  "pages zero-copy (host pool pages not 4 KiB-aligned?)")
+            if backend == "cp_l3" and r["read_engine"] != engine:  # e.g. io_uring refused here: uring -> native
+                raise SystemExit(f"{name}: rank {r['rank']} read with io.read_engine {r['read_engine']!r}, not "
+                                 f"{engine!r} (see the store's log line at open)")
         results.append(res)
         shutil.rmtree(root, ignore_errors=True)
         for x in subs:
@@ -585,7 +591,8 @@ def main():
                    help="CP sizes, comma separated: each N runs 'raw O_DIRECT, N writers' and 'ours, CP=N sharded' "
                         "(N=1: '1 writer' and 'ours, CP=1'); 8 = a node of eight ranks")
     p.add_argument("--read-engine", default="python",
-                   help="io.read_engine of our rows: python, native, or both (one row per engine)")
+                   help="io.read_engine of our rows: python, native, uring, both (python,native), all, or a "
+                        "comma-separated list (one row per engine)")
     p.add_argument("--profile", metavar="DIR",
                    help="record each rank's cold read of our rows under py-spy into DIR and print rank 0's "
                         "time per thread role (a profile run: py-spy's sampling costs CPU; pip install py-spy)")
@@ -614,9 +621,10 @@ def main():
             raise ValueError
     except ValueError:
         raise SystemExit(f"--cp: pass CP sizes in [1, 64], comma separated (e.g. 1,4,8), got {args.cp!r}")
-    engines = ["python", "native"] if args.read_engine == "both" else args.read_engine.split(",")
-    if any(e not in ("python", "native") for e in engines):
-        p.error(f"--read-engine: pass python, native or both, got {args.read_engine!r}")
+    engines = {"both": ["python", "native"], "all": ["python", "native", "uring"]}.get(
+        args.read_engine, args.read_engine.split(","))
+    if any(e not in ("python", "native", "uring") for e in engines):
+        p.error(f"--read-engine: pass python, native, uring, both, all or a list, got {args.read_engine!r}")
     configs = [("upstream file, CP=1", "file", 1, False, None)] if 1 in cps else []
     for n in cps:
         configs += ([("raw O_DIRECT, 1 writer", "raw", 1, False, None), ("ours, CP=1", "cp_l3", 1, False, None)]
@@ -648,7 +656,7 @@ def main():
             for zc in zcs:
                 for engine in engines:
                     label = (name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
-                             + (", native reads" if engine == "native" else ""))
+                             + (f", {engine} reads" if engine != "python" else ""))
                     rows.append((label, backend, world, sharded, dk, ack, zc, engine))
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []

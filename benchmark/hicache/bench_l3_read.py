@@ -7,6 +7,8 @@ pages, written once. Then, per rep, every rank reads all its pages back at the s
   raw       preadv of whole pages into the destination buffer, `threads` in flight per rank
   python    L3Store.read_pages per 128-page batch (upstream's batch), io.read_engine = "python"
   native    the same with io.read_engine = "native" (the package's C engine)
+  uring     the same with io.read_engine = "uring" (the C engine's checks, reads in flight on an io_uring;
+            --uring-threads I/O threads per rank, io.uring_depth --uring-depth reads in flight each)
 
 and every byte read is compared with what was written. Per path: node GB/s (all ranks' bytes / time
 until the last rank is done), x raw of the same rep, and CPU seconds per GB (every thread of every rank
@@ -17,7 +19,8 @@ O_DIRECT on Linux >= 6.6, or `scripts/ram_disk.sh`) the raw path is a memory cop
 much of the machine the software itself leaves unused.
 
     python -m benchmark.hicache.bench_l3_read --dir DIR [--page-sizes 2359296,5750784] [--gib 1]
-        [--threads 4,16] [--ranks 1] [--engines python,native] [--reps 3] [--json OUT] [--quick]
+        [--threads 4,16] [--ranks 1] [--engines python,native,uring] [--uring-threads N] [--uring-depth 64]
+        [--reps 3] [--json OUT] [--quick]
 """
 
 from __future__ import annotations
@@ -68,20 +71,25 @@ def rank_main(rank, args, page_bytes, n, threads, paths, root, start, done, out)
     keys = [b"r%d-p%d" % (rank, i) for i in range(n)]
     slot = write_extent(page_bytes)
     stores = {}
-    for engine in ("python", "native"):
+    for engine in ("python", "native", "uring"):
         if engine not in paths:
             continue
         sub = os.path.join(d, engine)
         os.makedirs(os.path.join(sub, "idx"))
         os.makedirs(os.path.join(sub, "disk"))
+        io_threads = args.uring_threads or threads if engine == "uring" else threads
         cfg = parse_l3_config({
             "index": {"dir": os.path.join(sub, "idx"), "map_size_gb": 0.064},
-            "io": {"threads": threads, "max_inflight_pages": max(64, 2 * threads), "read_engine": engine},
+            "io": {"threads": io_threads, "max_inflight_pages": max(64, 2 * threads), "read_engine": engine,
+                   "uring_depth": args.uring_depth},
             "durability": {"plp_policy": "ignore"},
             "disks": [{"name": "d", "path": os.path.join(sub, "disk"), "capacity_gb": (n + 8) * slot / 0.85 / 1e9}]})
         s = L3Store(cfg, rank=0, ranks_per_node=1, payloads={"kv": page_bytes}, cold_start="clear")
         for k in range(0, n, BATCH):
             assert all(s.write_pages("kv", keys[k:k + BATCH], pages[k:k + BATCH])), "write failed"
+        if s.stats()["read_engine_effective"] != engine:  # the row must measure what it names
+            raise SystemExit(f"{engine}: the store reads with {s.stats()['read_engine_effective']!r} here "
+                             "(io_uring refused? see its log line)")
         stores[engine] = s
     raw_path = os.path.join(d, "raw.bin")
     fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
@@ -166,7 +174,11 @@ def main():
     ap.add_argument("--gib", type=float, default=1.0, help="bytes per rank per case (GiB)")
     ap.add_argument("--threads", default="4,16", help="io.threads of the store = raw requests in flight, per rank")
     ap.add_argument("--ranks", type=int, default=1, help="rank processes reading at once (a node's CP ranks)")
-    ap.add_argument("--engines", default="python,native")
+    ap.add_argument("--engines", default="python,native", help="python, native, uring: comma separated")
+    ap.add_argument("--uring-threads", type=int, default=0,
+                    help="io.threads of the uring path (default: --threads): each thread keeps --uring-depth reads "
+                         "in flight, so fewer threads than the other paths need")
+    ap.add_argument("--uring-depth", type=int, default=64, help="io.uring_depth of the uring path")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="64 MiB per rank, 1 rep, 2 threads: a smoke run")
@@ -179,8 +191,10 @@ def main():
     except ValueError:
         raise SystemExit("--page-sizes, --threads: positive integers, comma separated; --ranks, --reps >= 1")
     args.engines = [e for e in args.engines.split(",") if e]
-    if not args.engines or any(e not in ("python", "native") for e in args.engines):
-        raise SystemExit(f"--engines: python and/or native, got {args.engines}")
+    if not args.engines or any(e not in ("python", "native", "uring") for e in args.engines):
+        raise SystemExit(f"--engines: python, native and/or uring, got {args.engines}")
+    if args.uring_threads < 0 or not 2 <= args.uring_depth <= 1024:
+        raise SystemExit("--uring-threads: >= 0 (0: --threads); --uring-depth: in [2, 1024]")
     if args.quick:
         args.gib, args.reps, threads = 1 / 16, 1, [2]
     from rich.console import Console
@@ -211,7 +225,8 @@ def main():
         table.add_column(col, justify="right")
     for r in results:
         for p, v in r["paths"].items():
-            table.add_row(f"{r['page_bytes']:,}", str(r["threads"]), p, fmt(v["gbps"]),
+            th = args.uring_threads or r["threads"] if p == "uring" else r["threads"]
+            table.add_row(f"{r['page_bytes']:,}", str(th), p, fmt(v["gbps"]),
                           "1.00" if p == "raw" else fmt(v["x_raw"]), fmt(v["cpu_s_per_gb"], 3), "True")
     console = Console(width=200)
     console.print(table)

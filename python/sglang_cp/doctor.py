@@ -153,6 +153,8 @@ def check_l3_config(path: str) -> Iterable[Row]:
         yield _native_digest_row(cfg.index.digest_threads)
     if cfg.io.read_engine == "native":
         yield _native_read_engine_row()
+    if cfg.io.read_engine == "uring":
+        yield _uring_read_engine_row()
     for disk in cfg.disks:
         ok, detail = probe_odirect(disk.path)
         yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
@@ -220,6 +222,24 @@ def _native_read_engine_row() -> Row:
     crc = "SSE4.2" if lib.cpl3_crc32c_hardware(-1) else "a table loop (no SSE4.2: slower than the CPU allows)"
     return Row("l3 io", "read_engine = native", OK if lib.cpl3_crc32c_hardware(-1) else WARN,
                f"native library {native.library_path()} loaded; CRC32C on {crc}")
+
+
+def _uring_read_engine_row() -> Row:
+    """io.read_engine = "uring": the native library, and io_uring allowed here (else the store reads with the
+    native engine: a warning, not a failure)."""
+    from sglang_cp.l3.native import uring as uring_reads
+    from sglang_cp.l3.errors import L3StartupError
+
+    item = "read_engine = uring"
+    try:
+        err = uring_reads.probe()
+    except L3StartupError as e:
+        return Row("l3 io", item, FAIL, str(e))
+    if err:
+        refused = uring_reads.UringRefused(err)
+        return Row("l3 io", item, WARN, f"io_uring refused ({refused}): the store reads with read_engine_effective = "
+                   f"native; to use io_uring, {refused.fix()}")
+    return Row("l3 io", item, OK, "io_uring available: read_engine_effective = uring")
 
 
 def _native_digest_row(threads: int) -> Row:

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -145,3 +147,23 @@ def test_a_benchmark_started_as_a_file_says_how_to_start_it():
         assert proc.returncode == 1, (name, proc.stdout[-2000:], proc.stderr[-2000:])
         assert proc.stderr.strip() == (f"{name}: run it from the repository root as a module: "
                                        f"python -m benchmark.hicache.{name}"), proc.stderr
+
+
+def test_bench_l3_read_uring_smoke(disk_tmp):
+    """--engines uring with one I/O thread per rank (--uring-threads): the io_uring engine's row beside raw, every
+    byte compared by the script; a host that refuses io_uring makes the script stop, not mislabel the row."""
+    from sglang_cp.l3.native.uring import probe
+
+    if probe():
+        pytest.skip("io_uring is refused in this environment")
+    out = disk_tmp / "read.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmark", "hicache", "bench_l3_read.py"), "--quick", "--dir",
+         str(disk_tmp), "--page-sizes", "1052672", "--engines", "uring", "--uring-threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    (case,) = json.loads(out.read_text())["results"]
+    assert sorted(case["paths"]) == ["raw", "uring"]
+    assert all(v["gbps"][0] > 0 and v["cpu_s_per_gb"][0] > 0 for v in case["paths"].values()), case

@@ -68,11 +68,15 @@ class IoConfig:
     # How reads land, are checked and reach the caller: "python" (a whole slot lands in store memory,
     # then CRC and copy-out on a finisher thread) or "native" (l3/native/reads.py: chunk by chunk in C,
     # checked in cache and copied once, one GIL-free call per run). docs_internal/l3_store.md,
-    # "The native read engine".
+    # "The native read engine". "uring" (l3/native/uring.py): the native engine's checks with each run's
+    # reads in flight together on an io_uring; falls back to "native" where io_uring is refused.
     read_engine: str = "python"
+    # io.read_engine = "uring": reads in flight per ring (one ring per read I/O thread).
+    uring_depth: int = 64
 
 
-READ_ENGINES = ("python", "native")
+READ_ENGINES = ("python", "native", "uring")
+MAX_URING_DEPTH = 1024  # each read in flight has its own landing slot (264 KiB), allocated at open
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ _SCHEMA: dict[str, set[str]] = {
     "index": {"dir", "map_size_gb", "max_map_size_gb", "digest_threads"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
     "durability": {"plp_policy", "backup_ack"},
-    "io": {"threads", "max_inflight_pages", "zero_copy_writes", "read_engine"},
+    "io": {"threads", "max_inflight_pages", "zero_copy_writes", "read_engine", "uring_depth"},
     "disks": {"name", "path", "capacity_gb"},
 }
 
@@ -275,8 +279,12 @@ def _parse_io(doc: dict) -> IoConfig:
     engine = t.get("read_engine", "python")
     if engine not in READ_ENGINES:
         raise L3ConfigError(f"io.read_engine: must be one of {', '.join(map(repr, READ_ENGINES))}, got {engine!r}; "
-                            "the default is \"python\" (\"native\" needs the package's compiled library)")
-    return IoConfig(threads, inflight, zero_copy, engine)
+                            "the default is \"python\" (\"native\" and \"uring\" need the package's compiled library)")
+    depth = _integer(t, "uring_depth", "io", 64)
+    if not 2 <= depth <= MAX_URING_DEPTH:
+        raise L3ConfigError(f"io.uring_depth: must be in [2, {MAX_URING_DEPTH}], got {depth}; the default is 64 "
+                            "(reads in flight per read I/O thread with io.read_engine = \"uring\")")
+    return IoConfig(threads, inflight, zero_copy, engine, depth)
 
 
 def _parse_disks(doc: dict) -> tuple[DiskConfig, ...]:

@@ -8,8 +8,9 @@ identity and payload CRC32C per page, then a copy into the caller's buffer, unle
 So a read that never comes back cannot touch the caller's pages, and the I/O thread's next preadv does
 not wait for the copy. With io.read_engine = "native" (native/reads.py) land, verify and deliver are one
 C call per run on the I/O thread, chunk by chunk, and the caller's pages are written only through the
-op's gate, which OpState closes at the caller's bound; the index lookup, permits, results and bad-page
-handling here are shared by both engines.
+op's gate, which OpState closes at the caller's bound; "uring" (native/uring.py) is the same call with the
+run's reads in flight together on an io_uring. The index lookup, permits, results and bad-page handling
+here are shared by all engines.
 
 What it uses of the shared state (StoreState), and so what a replacement must keep doing: `index` and
 `written_entries` to find pages; `pool`, `digest`, `new_op`, `finish`, `count`/`fault`, `touch` + `now`
@@ -37,6 +38,7 @@ from .native.reads import NativeReader
 from .payload_slab import PayloadSlab
 from .staging import Tokens
 from .state import CONTROL_TIMEOUT_S, StoreState, page_view
+from .native.uring import open_reader
 
 # A coalesced read covers consecutive slots up to this many bytes (one preadv), while keeping at least
 # 2 x io.threads requests per batch. Each request costs Python work (submit, GIL, verify); at 1 MiB pages
@@ -54,8 +56,9 @@ class ReadPath:
         self.st = st
         threads = st.config.io.threads
         # io.read_engine = "native": each run is one C call on its I/O thread (native/reads.py), with a
-        # chunk buffer per thread instead of landing areas and no finisher hop.
-        self._native = NativeReader(threads) if st.config.io.read_engine == "native" else None
+        # chunk buffer per thread instead of landing areas and no finisher hop; "uring" the same with a
+        # ring per thread (native/uring.py), or "native" where io_uring is refused (self.engine says which).
+        self._native, self.engine = open_reader(st.config.io, st.rank)
         # Where reads land before they are copied out, allocated (and faulted in: first touch is slow on
         # VMs) when the store opens, before cold start. An area is taken for one preadv and comes back
         # only after its pages were copied out, so a preadv stuck in the kernel keeps its area for good
@@ -81,6 +84,12 @@ class ReadPath:
     def shutdown(self) -> None:
         self._rio.shutdown(wait=False, cancel_futures=True)
         self._fio.shutdown(wait=False, cancel_futures=True)
+        if self._native is not None:
+            self._native.close()
+
+    def engine_stats(self) -> dict:
+        """The C engine's own counters (the uring engine's rings), {} for the others."""
+        return self._native.stats() if self._native is not None else {}
 
     # ---------------------------------------------------------------- submit (caller thread)
 
@@ -234,8 +243,8 @@ class ReadPath:
         return got
 
     def _read_io_native(self, op: OpState, pool: PayloadSlab, items: list) -> None:
-        """io.read_engine = "native": the run in one C call (read, check, deliver through the op's gate),
-        then each page's result, on this I/O thread."""
+        """io.read_engine = "native" or "uring": the run in one C call (read, check, deliver through the op's
+        gate), then each page's result, on this I/O thread."""
         oks = [False] * len(items)
         try:
             if op.cancelled:  # the sync caller timed out: skip the I/O

@@ -213,6 +213,9 @@ class L3Store(PageStore):
             "queues": {"write_thread": st.queue.qsize(), "touches": len(st.touches), "acks": len(st.acks)},
             "index": {"map_size": st.index.map_size(), "max_map_size": st.index.max_map_size},
             "cold_start": st.cold_start,
+            # io.read_engine as it reads: "native" where "uring" was configured and io_uring is refused.
+            "read_engine_effective": self.reads.engine,
+            "read_engine_stats": self.reads.engine_stats(),
         }
 
     # ================================================================ lifecycle

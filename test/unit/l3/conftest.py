@@ -10,14 +10,14 @@ from sglang_cp.l3 import L3Store, parse_l3_config
 
 # Modules whose every test runs once per io.read_engine: the read path's guarantees (a bad page is one
 # miss with its counter, bounds on a hung disk, nothing written to the caller's memory after its bound)
-# must hold for both engines.
+# must hold for every engine.
 READ_PATH_MODULES = {"test_l3_corruption", "test_l3_faults", "test_l3_bounds", "test_l3_payload_counters",
                      "test_l3_stale_readers", "test_l3_store"}
 
 
 def pytest_generate_tests(metafunc):
     if metafunc.module.__name__.rpartition(".")[2] in READ_PATH_MODULES:
-        metafunc.parametrize("read_engine", ["python", "native"], indirect=True)
+        metafunc.parametrize("read_engine", ["python", "native", "uring"], indirect=True)
 
 
 @pytest.fixture(autouse=True)

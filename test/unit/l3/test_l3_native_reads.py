@@ -208,7 +208,7 @@ def test_engine_contract_is_checked(l3_root, lib):
 
 
 def test_config_names_the_field(l3_root, monkeypatch):
-    with pytest.raises(L3ConfigError, match=r"io.read_engine: must be one of 'python', 'native', got 'c'"):
+    with pytest.raises(L3ConfigError, match=r"io.read_engine: must be one of 'python', 'native', 'uring', got 'c'"):
         parse_l3_config(config_doc(l3_root, io={"read_engine": "c"}))
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "library_path", lambda: None)

@@ -6,6 +6,7 @@ the GIL for each call, so I/O threads and digest threads run them in parallel:
   cpl3_crc32c             CRC32C (SSE4.2, three chains), the checksum of every blob
   cpl3_read_pages         the native read engine (io.read_engine = "native"): native/reads.py
   cpl3_gate_close         closes an operation's permission to write the caller's pages
+  cpl3_uring_*            the io_uring read engine (io.read_engine = "uring"): native/uring.py declares them
   cpl3_digests_sep/_ends  the hit query's key digests (index.digest_threads > 0): native/digests.py
 A build without a C compiler installs without the library; a store configured to use it then refuses
 to start with the field and the fix (`unavailable`).

@@ -11,7 +11,7 @@
  *  - a page is reported good only after its header names exactly the expected blob (payload tag, rank,
  *    slot, length, key digest) and its payload CRC matches; the header is read first, so a foreign or
  *    damaged header costs no copy at all;
- *  - the caller's memory is written only between gate_enter and gate_leave, and never once the gate is
+ *  - the caller's memory is written only between cpl3_gate_enter and _leave, and never once the gate is
  *    closed: cpl3_gate_close (called when the caller's bound passes, or when it returns) waits only for
  *    copies already under way, which are memory copies of one chunk, never for the disk. A read that
  *    comes back from the device after that lands in the engine's chunk buffer and goes nowhere.
@@ -26,41 +26,14 @@
 
 #include "cpl3_native.h"
 
-#define ALIGN 4096u
-#define HEADER_BYTES 64u
+#define ALIGN CPL3_ALIGN
+#define HEADER_BYTES CPL3_HEADER_BYTES
 #define BLOB_VERSION 2u
 static const uint8_t MAGIC[4] = {'C', 'P', 'L', '3'};
 
-/* One page of a read. Python fills offset..digest and reads status/detail (sglang_cp/l3/native/__init__.py). */
-typedef struct {
-    uint64_t offset;  /* file offset of the slot */
-    uint64_t dst;     /* address of the caller's page (page_bytes writable bytes) */
-    uint32_t slot;
-    uint32_t reserved;
-    uint8_t digest[16];
-    int32_t status;   /* out: CPL3_* below */
-    int32_t detail;   /* out: errno (READ_ERROR), bytes read (SHORT_READ), which field (FOREIGN) */
-} cpl3_read_item;
+/* cpl3_read_item, its statuses and cpl3_gate: cpl3_native.h (shared with read_uring.c). */
 
-enum {
-    CPL3_OK = 1,
-    CPL3_READ_ERROR = -1,
-    CPL3_SHORT_READ = -2,
-    CPL3_BAD_MAGIC = -3,
-    CPL3_HEADER_CRC = -4,
-    CPL3_BAD_VERSION = -5,
-    CPL3_FOREIGN = -6,
-    CPL3_CRC_MISMATCH = -7,
-    CPL3_CANCELLED = -8,
-};
-
-/* The caller's permission to write its pages: one per operation, shared by all its runs. */
-typedef struct {
-    int32_t closed;
-    int32_t copying;
-} cpl3_gate;
-
-static int gate_enter(cpl3_gate *g) {
+int cpl3_gate_enter(cpl3_gate *g) {
     __atomic_add_fetch(&g->copying, 1, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&g->closed, __ATOMIC_SEQ_CST)) {
         __atomic_sub_fetch(&g->copying, 1, __ATOMIC_SEQ_CST);
@@ -69,7 +42,7 @@ static int gate_enter(cpl3_gate *g) {
     return 1;
 }
 
-static void gate_leave(cpl3_gate *g) { __atomic_sub_fetch(&g->copying, 1, __ATOMIC_SEQ_CST); }
+void cpl3_gate_leave(cpl3_gate *g) { __atomic_sub_fetch(&g->copying, 1, __ATOMIC_SEQ_CST); }
 
 /* Close the gate: no copy starts after this, and it returns once the copies under way are done
  * (0), or -1 if one still runs after `timeout_s` (a chunk copy takes microseconds: a broken
@@ -93,7 +66,7 @@ int cpl3_gate_close(cpl3_gate *g, double timeout_s) {
  * page from memory. The fence makes the stores globally visible before the page is reported good. */
 #if defined(__x86_64__)
 #include <emmintrin.h>
-static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
+void cpl3_copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
     if (n < 65536) { memcpy(dst, src, n); return; }
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
     memcpy(dst, src, head);
@@ -111,7 +84,7 @@ static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) {
     _mm_sfence();
 }
 #else
-static void copy_out(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
+void cpl3_copy_out(uint8_t *dst, const uint8_t *src, size_t n) { memcpy(dst, src, n); }
 #endif
 
 /* One pread of exactly `len` bytes: the byte count, or -errno. */
@@ -128,8 +101,8 @@ static uint64_t le64(const uint8_t *p) { return (uint64_t)le32(p) | (uint64_t)le
 
 /* The header layout of sglang_cp/l3/format/blob.py (<4sHHIIIIQ16sQI + header CRC32C). Returns CPL3_OK and the
  * payload CRC, or the reason the blob is not the one the index named. */
-static int check_header(const uint8_t *h, uint32_t tag, uint32_t rank, uint32_t slot, uint64_t length,
-                        const uint8_t digest[16], uint32_t *payload_crc, int32_t *detail) {
+int cpl3_check_header(const uint8_t *h, uint32_t tag, uint32_t rank, uint32_t slot, uint64_t length,
+                      const uint8_t digest[16], uint32_t *payload_crc, int32_t *detail) {
     if (memcmp(h, MAGIC, 4) != 0) return CPL3_BAD_MAGIC;
     if (cpl3_crc32c(0, h, HEADER_BYTES - 4) != le32(h + 60)) return CPL3_HEADER_CRC;
     if ((h[4] | h[5] << 8) != BLOB_VERSION || (h[6] | h[7] << 8) != HEADER_BYTES) return CPL3_BAD_VERSION;
@@ -149,7 +122,7 @@ static int read_one(int fd, uint32_t tag, uint32_t rank, uint64_t page_bytes, ui
     if (n < 0) { it->detail = (int32_t)-n; return CPL3_READ_ERROR; }
     if ((uint64_t)n != tail_len) { it->detail = (int32_t)n; return CPL3_SHORT_READ; }
     uint32_t want = 0;
-    int rc = check_header(tail + (page_bytes - body), tag, rank, it->slot, page_bytes, it->digest, &want, &it->detail);
+    int rc = cpl3_check_header(tail + (page_bytes - body), tag, rank, it->slot, page_bytes, it->digest, &want, &it->detail);
     if (rc != CPL3_OK) return rc;
     uint32_t s = ~0u;
     for (uint64_t off = 0; off < body; off += chunk_bytes) {
@@ -158,16 +131,16 @@ static int read_one(int fd, uint32_t tag, uint32_t rank, uint64_t page_bytes, ui
         if (n < 0) { it->detail = (int32_t)-n; return CPL3_READ_ERROR; }
         if ((uint64_t)n != len) { it->detail = (int32_t)(off + n); return CPL3_SHORT_READ; }
         s = cpl3_crc32c_raw(s, chunk, len);
-        if (!gate_enter(gate)) return CPL3_CANCELLED;
-        copy_out(dst + off, chunk, len);
-        gate_leave(gate);
+        if (!cpl3_gate_enter(gate)) return CPL3_CANCELLED;
+        cpl3_copy_out(dst + off, chunk, len);
+        cpl3_gate_leave(gate);
     }
     s = cpl3_crc32c_raw(s, tail, page_bytes - body);
     if (~s != want) return CPL3_CRC_MISMATCH;
     if (page_bytes > body) {
-        if (!gate_enter(gate)) return CPL3_CANCELLED;
-        copy_out(dst + body, tail, page_bytes - body);
-        gate_leave(gate);
+        if (!cpl3_gate_enter(gate)) return CPL3_CANCELLED;
+        cpl3_copy_out(dst + body, tail, page_bytes - body);
+        cpl3_gate_leave(gate);
     }
     return CPL3_OK;
 }

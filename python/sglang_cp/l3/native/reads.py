@@ -61,11 +61,7 @@ class NativeReader:
              gate: native.Gate) -> np.ndarray:
         """Read, check and deliver the pages (slot i at file offset offsets[i]); returns the items (their
         `status`, `detail`: native.OK or the reason) in the order given."""
-        items = np.zeros(len(slots), dtype=native.READ_ITEM)
-        items["offset"] = offsets
-        items["slot"] = slots
-        items["dst"] = [_address(o) for o in outs]
-        items["digest"] = digests
+        items = read_items(slots, offsets, digests, outs)
         buf = self._take()
         try:
             self._lib.cpl3_read_pages(pool.slab.fd, pool.tag, pool.rank, pool.page_bytes, pool.extent,
@@ -76,6 +72,13 @@ class NativeReader:
             raise L3InvariantError("cpl3_read_pages left pages without a status (its arguments broke the "
                                    "engine's contract)")
         return items
+
+    def stats(self) -> dict:
+        """The engine's own counters (the store's stats()["read_engine_stats"]): none here."""
+        return {}
+
+    def close(self) -> None:
+        """At store close: the chunk buffers go with the object."""
 
     def _take(self) -> memoryview:
         with self._cond:
@@ -88,6 +91,16 @@ class NativeReader:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
+
+
+def read_items(slots: list[int], offsets: list[int], digests: list[bytes], outs: list) -> np.ndarray:
+    """The C engines' per-page records (native.READ_ITEM) of a run: slot i at file offset offsets[i]."""
+    items = np.zeros(len(slots), dtype=native.READ_ITEM)
+    items["offset"] = offsets
+    items["slot"] = slots
+    items["dst"] = [_address(o) for o in outs]
+    items["digest"] = digests
+    return items
 
 
 def _address(out) -> int:
