@@ -60,7 +60,7 @@ def select_backend(server_args) -> None:
 
 def check_no_live_owner(server_args) -> None:
     """Refuse (CpArgsError) an L3 config whose ranks a live process owns: a server started with it
-    would fail when its store opens (``l3/ownership.py``). For ``sglang-cp check-args`` only: a
+    would fail when its store opens (``l3/format/ownership.py``). For ``sglang-cp check-args`` only: a
     server's own processes hold these locks while it runs."""
     f = cp_args.flags_of(server_args)
     if not (f.enable_cp_l3 and f.cp_l3_config):

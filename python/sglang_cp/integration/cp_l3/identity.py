@@ -14,7 +14,7 @@ The L3 rank is that process's index among the ones launched on *this node* (upst
 ``entrypoints/engine._calculate_rank_ranges`` split of PP and TP ranks over ``--nnodes``), and
 the disk capacity is split over that node-local count, not the world size. Servers sharing one
 node's directories are kept apart by the config's ``namespace``; a process that still collides
-is refused by the store's per-rank lock (``l3/ownership.py``).
+is refused by the store's per-rank lock (``l3/format/ownership.py``).
 
 Helper module (no hook): upstream symbols it reads are ``runtime_context.get_parallel`` and
 ``layers.dp_attention.is_dp_attention_enabled`` (the flag upstream's controller branched on).
