@@ -62,11 +62,13 @@ def test_bench_cp_l3_smoke(disk_tmp):
     # written ack the commit may land after the probes stop looking).
     assert rows[2]["phases"]["pwrite"]["n"] >= 1 and rows[2]["phases"]["upstream_ack"]["last"] > 0, rows[2]
     # and where its cold prefetch went: upstream hashed the pages and asked our hit query, then the ranks
-    # agreed (a gloo MIN after the query, one per batch), and the store's reads ran inside upstream's gets
+    # agreed (a gloo MIN after the query, one for the prefetch's completion), and the store's reads ran
+    # inside our restore of the whole prefetch (started at once, then waited for)
     rp = rows[2]["read_phases"]
     assert rp["hash"]["n"] >= 1 and rp["hit_query"]["n"] >= 1 and rp["gloo_min"]["n"] >= 2, rp
-    assert rp["batch_get"]["first"] <= rp["store_read"]["first"] <= rp["store_read"]["last"] <= rp["batch_get"]["last"], rp
-    assert rp["hit_query"]["last"] <= rp["batch_get"]["first"] and rp["prefetch_done"]["last"] >= rp["batch_get"]["last"], rp
+    assert rp["reads_started"]["first"] <= rp["restore_wait"]["first"], rp
+    assert rp["restore_wait"]["first"] <= rp["store_read"]["first"] <= rp["store_read"]["last"] <= rp["restore_wait"]["last"], rp
+    assert rp["hit_query"]["last"] <= rp["reads_started"]["first"] and rp["prefetch_done"]["last"] >= rp["restore_wait"]["last"], rp
     assert "Where each rank's cold prefetch time goes" in proc.stdout
 
 

@@ -33,7 +33,7 @@ from sglang_cp.l3.native.uring import PIECE_BYTES, UringReader, declare, probe
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(native.__file__), "native")
+SRC = os.path.dirname(native.__file__)  # the C sources sit beside the ctypes loader (l3/native/)
 
 
 @pytest.fixture(autouse=True)
