@@ -58,6 +58,9 @@ def file_of(name: str) -> str:
     return name + "__init__.py" if name.endswith("/") else name
 
 
+MAX_SUMMARY = 110  # characters of a module's line in the map
+
+
 def summary(path: str) -> str:
     """The first sentence of the module's docstring, in Markdown's backticks."""
     with open(path, encoding="utf-8") as f:
@@ -66,8 +69,13 @@ def summary(path: str) -> str:
         raise SystemExit(f"{os.path.relpath(path, REPO)} has no docstring: add one whose first sentence says "
                          "what the module holds (the module map is generated from it)")
     para = " ".join(doc.strip().split("\n\n")[0].split())
-    first = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", para, maxsplit=1)[0]
-    return first.replace("``", "`")
+    first = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", para, maxsplit=1)[0].replace("``", "`")
+    if len(first) > MAX_SUMMARY:  # a map line, not the docstring: cut at a word, never inside a `code` span
+        cut = first[:MAX_SUMMARY].rsplit(" ", 1)[0]
+        if cut.count("`") % 2:
+            cut = cut[: cut.rindex("`")].rstrip()
+        first = cut.rstrip(" ,;:(") + " ..."
+    return first
 
 
 def entries(root: str = PACKAGE) -> list[tuple[str, str]]:
