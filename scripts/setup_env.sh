@@ -80,8 +80,8 @@ step "sglang's pure-Python imports" --constraint="$CONSTRAINTS" \
   setproctitle==1.3.8 dill==0.4.1 sentencepiece==0.2.1 compressed-tensors==0.18.0 \
   gguf==0.19.0 openai==2.8.0 partial-json-parser==0.2.1.1.post7 einops==0.8.2 \
   uvicorn==0.54.0 fastapi==0.165.0 jsonschema==4.26.0 xgrammar==0.2.7 \
-  soundfile==0.13.1 python-multipart==0.0.34 pytest==9.2.0 lmdb==3.0.0 \
-  prometheus_client==0.26.0 rich==15.0.0 crc32c==2.9.post0 hypothesis==6.155.2
+  soundfile==0.13.1 python-multipart==0.0.34 pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 \
+  lmdb==3.0.0 prometheus_client==0.26.0 rich==15.0.0 crc32c==2.9.post0 hypothesis==6.155.2
 # A sampling profiler for bench_server_ttft --profile (benchmark/hicache/pyspy_profile.py) and its test.
 step "py-spy (profiles)" py-spy==0.4.3
 # cachebench's PNG plot (matplotlib pulls contourpy, cycler, fonttools, kiwisolver,

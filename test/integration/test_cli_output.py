@@ -44,6 +44,7 @@ def test_help_lists_each_command_once_without_rst_markup():
     assert lines[0] == "usage: sglang-cp [-h] COMMAND ..."
 
 
+@pytest.mark.xdist_group("hugepages")  # doctor reads every hugetlbfs mount of the host
 def test_doctor_prints_no_awq_gguf_import_warnings():
     p = run("doctor")
     assert "upstream targets" in p.stdout, p.stdout + p.stderr  # it did import sglang's hook targets
@@ -77,6 +78,7 @@ def test_doctor_prints_commands_whole_below_its_table():
     assert "command [1] below" in out and "`" not in out
 
 
+@pytest.mark.xdist_group("hugepages")  # doctor reads every hugetlbfs mount of the host
 def test_doctor_on_a_hugepage_request_names_a_command_that_copies_whole(tmp_path):
     p = run("doctor", "--enable-cp-shared-physical-l2-hicache", "--cp-shared-l2-hugetlbfs-dir", str(tmp_path),
             "--hicache-size", "10", env_extra={"COLUMNS": "80"})

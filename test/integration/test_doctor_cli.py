@@ -9,6 +9,8 @@ from suite_helpers import run_all
 from sglang_cp.cli import write_demo_config
 
 BIN = os.path.join(os.path.dirname(sys.executable), "sglang-cp")
+# doctor reads every hugetlbfs mount of the host: not while another worker's test has one (conftest.py).
+pytestmark = pytest.mark.xdist_group("hugepages")
 
 
 def cmd(*args):
