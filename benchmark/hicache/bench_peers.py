@@ -8,7 +8,8 @@ policy, through the same harness as ``bench_server_ttft.py`` (``benchmark.suppor
 
 1. ``replay``: the tier's storage emptied, a fresh server (warmed with one unrelated prompt), the
    workload once, closed loop at ``--concurrency`` or open loop at the trace's compressed timestamps;
-2. ``restart``: that server stopped, a new one started on the same storage (our tier with cold start
+2. ``restart`` (tiers with storage; without, a restarted server is the replay's fresh one): that server
+   stopped, a new one started on the same storage (our tier with cold start
    ``load``; side services kept, or restarted too with ``--restart-services``), the workload again with
    no warm-up: its startup time, the time from its first send to the first answer served from storage,
    the tokens storage served.
@@ -25,9 +26,11 @@ missing keeps its row with the exact import error and what it would take.
         --suffixes 4 --requests 200 --concurrency 16 --work-dir /path/on/nvme --out-dir out/peers-storm
     python -m benchmark.hicache.bench_peers commands --model small --work-dir /path/on/nvme   # command lines only
     python -m benchmark.hicache.bench_peers report out/peers/peers.json --out-dir out/peers
+    python -m benchmark.hicache.bench_peers report out/a/peers.json out/b/peers.json --out-dir out/ab  # one table
 
 ``run`` writes ``peers.json`` (after every tier), ``peers.md`` and the PNGs; ``report`` rewrites the
-table and plots from a saved JSON. Nothing here needs a GPU except ``run``.
+table and plots from a saved JSON, or from several runs of one workload that each measured some tiers
+(``--tiers``; merged into ``peers_merged.json``, the table saying the tiers came from consecutive runs). Nothing here needs a GPU except ``run``.
 """
 
 from __future__ import annotations
@@ -182,6 +185,17 @@ def du_bytes(paths: list) -> dict:
     return {"allocated": alloc, "apparent": apparent, "files": files}
 
 
+def drop_page_cache() -> str:
+    """sync, then drop clean page-cache pages, so the restart reads storage from the disk (root only)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        return f"not dropped ({e.strerror}: needs root)"
+    return "dropped"
+
+
 # ---- requests -------------------------------------------------------------------------------------
 def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: float, max_inflight: int) -> tuple:
     """Send every prompt once (streaming, greedy): (rows in prompt order, wall seconds)."""
@@ -267,12 +281,18 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
             rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args)
         finally:
             srv.stop()
-        if "restart" in args.phases:
+        if "restart" in args.phases and not tier.storage:
+            # No storage: a restarted server starts empty, which the replay phase (a fresh server) measured.
+            log(f"[{tier.name}] restart: not run (no storage; a restarted server is the replay's fresh one)")
+        elif "restart" in args.phases:
             if args.restart_services:
                 for x in services:
                     x.stop()
                 services = [RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"),
                                            args.service_timeout) for x in tier.services]
+            if args.drop_caches:
+                rec["restart_drop_caches"] = drop_page_cache()
+                log(f"[{tier.name}] page cache before the restart: {rec['restart_drop_caches']}")
             srv = server(tier.restart_args or tier.args, "restart")
             rec["restart_command"] = srv.command()
             srv.start()
@@ -354,6 +374,7 @@ def cmd_run(args) -> int:
                        "block_tokens": args.block_tokens, "device_tokens": args.device_tokens,
                        "host_gb": args.hicache_size, "disk_gb": args.disk_gb, "prefetch_policy": args.prefetch_policy,
                        "loop": args.loop, "concurrency": args.concurrency, "phases": args.phases,
+                       "drop_caches": args.drop_caches,
                        "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")},
               "ideal": ideal(prompts, args.block_tokens),
               "prompts": [{"tokens": p.tokens, "blocks": len(p.blocks), "output_tokens": p.output_tokens,
@@ -395,8 +416,17 @@ def cmd_commands(args) -> int:
 
 
 def cmd_report(args) -> int:
-    with open(args.json) as f:
-        result = json.load(f)
+    results = []
+    for path in args.json:
+        with open(path) as f:
+            results.append(json.load(f))
+    try:
+        result = peer_report.merge(results)
+    except ValueError as e:
+        raise SystemExit(f"report: {e}")
+    os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
+    if len(results) > 1:  # the one table's data, beside the inputs it came from
+        write_private_json(os.path.join(args.out_dir, "peers_merged.json"), result)
     for path in peer_report.write_report(result, args.out_dir):
         log(f"wrote {path}")
     return 0
@@ -446,6 +476,9 @@ def main(argv=None) -> int:
     r.add_argument("--suffix-tokens", type=int, default=256)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--phases", default="replay,restart", help="replay, or replay,restart")
+    r.add_argument("--drop-caches", action="store_true",
+                   help="sync and drop the page cache before each restart (root): storage read from the disk, as "
+                        "after a host restart or with a working set larger than RAM")
     r.add_argument("--restart-services", action="store_true",
                    help="restart the side services too (Mooncake master, LMCache server) at the restart")
     r.add_argument("--kv-sensitive", action="store_true",
@@ -458,8 +491,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("commands", help="print each tier's command lines (no GPU)")
     add_tier_args(c)
     c.add_argument("--context-length", type=int, default=65536)
-    p = sub.add_parser("report", help="table and plots from a saved peers.json")
-    p.add_argument("json")
+    p = sub.add_parser("report", help="table and plots from saved peers.json files (several: one table)")
+    p.add_argument("json", nargs="+", help="peers.json of one run, or of runs that each measured some tiers")
     p.add_argument("--out-dir", default="out/peers")
     args = ap.parse_args(argv)
     if args.cmd == "report":

@@ -55,12 +55,20 @@ def first_storage_hit_s(rows: list):
     return min(hits) if hits else None
 
 
+COLD = " (cold page cache)"
+
+
+def label(tier: dict) -> str:
+    """A tier's name in the table: its restart on a dropped page cache is a different measurement."""
+    return tier["name"] + (COLD if tier.get("restart_drop_caches") == "dropped" else "")
+
+
 def summarize(result: dict) -> list:
     prompts = result["prompts"]
     out = []
     for t in result["tiers"]:
         if t.get("error") and not t.get("phases"):
-            out.append({"tier": t["name"], "phase": None, "error": t["error"], "needs": t.get("needs")})
+            out.append({"tier": label(t), "phase": None, "error": t["error"], "needs": t.get("needs")})
             continue
         for phase, ph in (t.get("phases") or {}).items():
             rows = ph.get("requests", [])
@@ -70,7 +78,7 @@ def summarize(result: dict) -> list:
             tokens = sum(prompts[r["i"]]["tokens"] for r in ok)
             ref = reference_tier(result, phase)
             diff, compared = mismatches(ref["phases"][phase]["requests"], rows) if ref is not t else (0, len(ok))
-            row = {"tier": t["name"], "phase": phase, "n": len(rows), "errors": len(rows) - len(ok),
+            row = {"tier": label(t), "phase": phase, "n": len(rows), "errors": len(rows) - len(ok),
                    "rps": len(ok) / ph["wall_s"] if ph.get("wall_s") else None,
                    "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
                    **served, "prompt_tokens": tokens,
@@ -78,7 +86,7 @@ def summarize(result: dict) -> list:
                    "ideal_ratio": (result.get("ideal") or {}).get(phase, {}).get("token_ratio"),
                    "disk_bytes": (ph.get("du") or {}).get("allocated"),
                    "cpu_server_s": ph.get("cpu_server_s"), "cpu_services_s": ph.get("cpu_services_s"),
-                   "ids_differ": diff, "ids_compared": compared, "reference": ref["name"],
+                   "ids_differ": diff, "ids_compared": compared, "reference": label(ref),
                    "startup_s": ph.get("startup_s"), "first_storage_hit_s": first_storage_hit_s(rows)}
             if result.get("meta", {}).get("kv_sensitive"):
                 want = [(prompts[r["i"]].get("mode"), (r.get("output_ids") or [None])[0]) for r in ok]
@@ -116,15 +124,22 @@ def table(rows: list) -> str:
 def markdown(result: dict, rows: list) -> str:
     meta = result.get("meta", {})
     parts = [f"Workload: {meta.get('workload', '-')}", "", table(rows), ""]
+    if any(r["tier"].endswith(COLD) for r in rows):
+        parts += [f"`{COLD.strip()}`: the page cache was synced and dropped before that tier's restart, so its storage "
+                  "was read from the disk (as after a host restart, or with a working set larger than RAM); the "
+                  "other rows restarted with whatever the page cache still held.", ""]
+    if len(meta.get("runs") or ()) > 1:
+        parts += [f"Tiers measured in {len(meta['runs'])} consecutive runs at the same code and settings "
+                  f"(started {', '.join(str(x) for x in meta['runs'])}).", ""]
     if any("mode_ok" in r for r in rows):
         parts += ["First token = the prompt's most frequent token (KV-sensitive weights): " + ", ".join(
             f"{r['tier']} {r['phase']} {r['mode_ok']}/{r['mode_checked']}" for r in rows if "mode_ok" in r), ""]
     parts.append("How each tier was configured:")
-    parts += [f"- `{t['name']}`: {t['how']}" for t in result["tiers"]]
+    parts += [f"- `{label(t)}`: {t['how']}" for t in result["tiers"]]
     missing = [t for t in result["tiers"] if t.get("error")]
     if missing:
         parts += ["", "Not run (or stopped) on this host:"]
-        parts += [f"- `{t['name']}`: {t['error']} -- needs {t.get('needs') or '-'}" for t in missing]
+        parts += [f"- `{label(t)}`: {t['error']} -- needs {t.get('needs') or '-'}" for t in missing]
     return "\n".join(parts) + "\n"
 
 
@@ -146,7 +161,7 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
             xs = sorted(r["ttft_s"] for r in _ok((t.get("phases") or {}).get(phase, {}).get("requests", []))
                         if r.get("ttft_s") is not None)
             if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=t["name"])
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label(t))
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")
@@ -159,7 +174,7 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
     plt.close(fig)
 
     ran_rows = [r for r in rows if r["phase"] is not None]
-    names = [t["name"] for t in ran]
+    names = [label(t) for t in ran]
     width = 0.8 / max(1, len(phases))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.5))
     for k, phase in enumerate(phases):
@@ -197,6 +212,37 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths
+
+
+# What must agree for tiers measured in separate runs to share one table: the same prompts and the same
+# settings every tier runs under (argv may differ only in --tiers, --out-dir and --work-dir).
+_SAME = ("model", "workload", "kv_sensitive", "block_tokens", "device_tokens", "host_gb", "disk_gb",
+         "prefetch_policy", "loop", "concurrency", "phases")
+
+
+def merge(results: list) -> dict:
+    """One result from runs of the same workload and settings, each holding some of the tiers (a tier
+    given twice keeps its last run; a restart on a dropped page cache is its own row). Raises ValueError
+    naming the first field that differs."""
+    if not results:
+        raise ValueError("merge: no results given")
+    base = results[0]
+    for i, r in enumerate(results[1:], 2):
+        for k in _SAME:
+            if r["meta"].get(k) != base["meta"].get(k):
+                raise ValueError(f"result {i}: meta.{k} = {r['meta'].get(k)!r} differs from the first's "
+                                 f"{base['meta'].get(k)!r}; merge only runs of one workload and settings")
+        for k in ("ideal", "prompts"):
+            if r[k] != base[k]:
+                raise ValueError(f"result {i}: {k} differs from the first's; merge only runs of one workload")
+    tiers: dict = {}
+    for r in results:
+        for t in r["tiers"]:
+            tiers.pop(label(t), None)
+            tiers[label(t)] = t
+    meta = dict(base["meta"])
+    meta["runs"] = [r["meta"].get("started") for r in results]
+    return {**base, "meta": meta, "tiers": list(tiers.values())}
 
 
 def write_report(result: dict, out_dir: str) -> list:

@@ -338,6 +338,50 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
 
 
+def test_report_merges_runs_that_each_measured_some_tiers(tmp_path):
+    """Tiers run in consecutive calls (``--tiers``) make one table; runs of another workload or settings
+    are refused naming the field; a tier given twice keeps its last run."""
+    res = synthetic_result()
+    a = json.loads(json.dumps(res))
+    a["tiers"] = res["tiers"][:1]
+    a["meta"]["started"] = "t1"
+    b = json.loads(json.dumps(res))
+    b["tiers"] = res["tiers"][1:]
+    b["meta"]["started"] = "t2"
+    merged = report.merge([a, b])
+    assert [t["name"] for t in merged["tiers"]] == [t["name"] for t in res["tiers"]]
+    assert merged["meta"]["runs"] == ["t1", "t2"]
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = tmp_path / "out"
+    assert bench.main(["report", str(pa), str(pb), "--out-dir", str(out)]) == 0
+    md = (out / "peers.md").read_text()
+    assert "Tiers measured in 2 consecutive runs" in md and "| cp-l3-python | restart | 1.50 |" in md
+    assert json.loads((out / "peers_merged.json").read_text())["tiers"] == merged["tiers"]
+    again = json.loads(json.dumps(a))
+    again["tiers"][0]["how"] = "second run"
+    assert report.merge([a, b, again])["tiers"][-1]["how"] == "second run"
+    cold = json.loads(json.dumps(b))
+    cold["tiers"][0]["restart_drop_caches"] = "dropped"  # the same tier restarted on a dropped page cache
+    both = report.merge([a, b, cold])
+    labels = [report.label(t) for t in both["tiers"]]
+    assert cold["tiers"][0]["name"] in labels and cold["tiers"][0]["name"] + report.COLD in labels
+    assert len(both["tiers"]) == len(res["tiers"]) + 1
+    assert "the page cache was synced and dropped" in report.markdown(both, report.summarize(both))
+    other = json.loads(json.dumps(b))
+    other["meta"]["host_gb"] = 99
+    with pytest.raises(ValueError, match="meta.host_gb"):
+        report.merge([a, other])
+    other = json.loads(json.dumps(b))
+    other["prompts"] = other["prompts"][:1]
+    with pytest.raises(ValueError, match="prompts differs"):
+        report.merge([a, other])
+    pb.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="report: result 2: prompts differs"):
+        bench.main(["report", str(pa), str(pb), "--out-dir", str(out)])
+
+
 def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
     """drive() over the harness's real streaming client, against a local HTTP endpoint that answers like
     /generate (SSE chunks, then [DONE]): rows in prompt order, cache sources and ids per request, the
