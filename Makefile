@@ -9,7 +9,7 @@ setup:
 # reload and a full restart (table, out/cachebench/cachebench.{json,png}); then the operator
 # tools on the L3 directory it left behind.
 demo: setup
-	.venv/bin/sglang-cp cachebench --quick --out-dir out/cachebench
+	.venv/bin/sglang-cp cachebench --out-dir out/cachebench
 	.venv/bin/sglang-cp l3 stats --cp-l3-config out/cachebench/l3/l3.toml
 	.venv/bin/sglang-cp l3 fsck --cp-l3-config out/cachebench/l3/l3.toml
 	.venv/bin/sglang-cp doctor --cp-l3-config out/cachebench/l3/l3.toml

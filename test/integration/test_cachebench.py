@@ -1,7 +1,7 @@
 """`sglang-cp cachebench` end to end as a real process: gloo rank processes with upstream's
 host pools and controller and our L3, all four phases, the restart with cold start `load`,
 and its outputs (exit code, JSON, PNG). CI runs a tiny replay of a JSONL trace; the
-README's `--quick` run is the slow-marked test."""
+README's demo run and `--quick` are the slow-marked tests."""
 
 import json
 import os
@@ -84,6 +84,12 @@ def test_usage_errors_exit_2_before_any_rank_starts(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_run_as_in_the_readme(tmp_path):
+def test_the_readme_demo_run(tmp_path):
+    out = tmp_path / "cachebench"
+    _check_result(str(out), cachebench("--out-dir", str(out)))
+
+
+@pytest.mark.slow
+def test_quick_run(tmp_path):
     out = tmp_path / "cachebench"
     _check_result(str(out), cachebench("--quick", "--out-dir", str(out)))

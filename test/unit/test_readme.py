@@ -52,8 +52,8 @@ def _demo_recipe():
 def test_the_two_commands_are_the_makefiles():
     two = _section("The two commands")
     assert "```\nmake demo\n```" in two and "```\nmake test\n```" in two
-    assert "sglang-cp cachebench --quick --out-dir out/cachebench" in _demo_recipe()[0]
-    assert "sglang-cp cachebench --quick --out-dir out/cachebench" in two
+    assert "sglang-cp cachebench --out-dir out/cachebench" in _demo_recipe()[0]
+    assert "sglang-cp cachebench --out-dir out/cachebench" in two
     assert re.search(r"^test:.*\n\t.*pytest.* test$", _read("Makefile"), re.M)
 
 

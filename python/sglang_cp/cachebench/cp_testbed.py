@@ -45,8 +45,14 @@ import threading
 import time
 import traceback
 import types
+import warnings
 
 from sglang_cp.l3.recovery import DEFAULT_COLD_START
+
+# Upstream's quantization modules warn at import on a host without CUDA ("Only CUDA, HIP and XPU support
+# AWQ currently"): true, and irrelevant to ranks that run no quantized layer. The fork server imports
+# this module first, so the notices do not reach cachebench's console.
+warnings.filterwarnings("ignore", message=r"Only CUDA.* support", category=UserWarning)
 
 GLM5_KV_LORA, GLM5_ROPE = 512, 64
 PAGE = 64
@@ -301,10 +307,10 @@ class RankDied(RuntimeError):
 # 10-15 s of CPU per interpreter) are imported once, in the fork server, and each rank is a fork of it:
 # still a new process per rank and per restart, with its own gloo group, plugin load and store, but
 # without paying the imports again. load_plugins() stays in the rank (Rank.__init__), after the fork.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "sglang.srt.server_args",
+FORKSERVER_PRELOAD = ["sglang_cp.cachebench.cp_testbed", "torch", "torch.distributed", "sglang.srt.server_args",
                       "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
                       "sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.pool_host.mla",
-                      "sglang.srt.mem_cache.pool_host.page_interleave", "sglang_cp.cachebench.cp_testbed"]
+                      "sglang.srt.mem_cache.pool_host.page_interleave"]
 _forkserver = None
 # How cachebench starts its ranks: a restart is still "all ranks exit; new processes", without paying
 # the imports again (cachebench --quick: the ranks' imports were most of its wall time on 2 cores).

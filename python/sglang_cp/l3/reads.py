@@ -44,7 +44,7 @@ from .native.uring import open_reader
 # 2 x io.threads requests per batch. Each request costs Python work (submit, GIL, verify); at 1 MiB pages
 # one page per request read 0.90x raw over 4 GiB, three per request 0.97x. At 64 KiB pages the request
 # count bound keeps requests near 1 MiB (fewer, larger ones read slower there: 1.35x vs 1.46x raw).
-_READ_IO_BYTES = 4 << 20
+READ_IO_BYTES = 4 << 20
 # Landing areas per read I/O thread: one in a preadv, the others with pages being verified and copied
 # out by a finisher while the I/O thread already reads the next request.
 _LANDING_PER_THREAD = 2
@@ -153,7 +153,7 @@ class ReadPath:
         return True
 
     def _runs(self, pool: PayloadSlab, todo: list[tuple[int, int]]) -> list:
-        """Group pages of consecutive slots into coalesced reads (<= _READ_IO_BYTES, and at least
+        """Group pages of consecutive slots into coalesced reads (<= READ_IO_BYTES, and at least
         2 x io.threads requests when there is enough work). The native engine reads page by page in
         chunks, so its runs need not be consecutive and are sized only to spread the pages over the
         threads (each run is one call, whose Python cost is paid once)."""
@@ -165,7 +165,7 @@ class ReadPath:
             # restore in runs of 16 under 64 permits kept 4 of 8 threads reading).
             per_io = max(1, min(spread, self._permits // (2 * threads)))
             return [todo[k:k + per_io] for k in range(0, len(todo), per_io)]
-        per_io = max(1, min(_READ_IO_BYTES // pool.extent, spread, self._permits // 2))
+        per_io = max(1, min(READ_IO_BYTES // pool.extent, spread, self._permits // 2))
         runs, run = [], []
         for slot, i in todo:
             if run and (len(run) >= per_io or slot != run[-1][0] + 1):
@@ -366,4 +366,4 @@ def _native_blob_error(status: int, detail: int, pool: PayloadSlab) -> BlobError
 
 def _landing_bytes(pool: PayloadSlab) -> int:
     """One landing area for a payload: the longest coalesced read (ReadPath._runs), whole slot extents."""
-    return max(1, _READ_IO_BYTES // pool.extent) * pool.extent
+    return max(1, READ_IO_BYTES // pool.extent) * pool.extent
