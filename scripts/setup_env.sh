@@ -53,13 +53,16 @@ step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
   echo "[setup] $label: installing"
   # sglang was installed with --no-deps on purpose (its CUDA-only requirements do not
   # install here), so pip's resolver report about them is expected: keep it out of the log.
-  "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+  # --no-compile: pip byte-compiles on one core; compile_new below does it on every core, once.
+  "$VPY" -m pip install -q --disable-pip-version-check --no-compile "$@" 2>&1 \
     | grep -v -e "is ignored: it is neither" -e "^sglang 0.5.23 requires " \
               -e "^ERROR: pip's dependency resolver does not currently take into account" \
               -e "^This behaviour is the source of the following dependency conflicts" || true
   [ -z "$(missing "${reqs[@]}")" ] || { echo "[setup] $label: FAILED to install: $(missing "${reqs[@]}")"; exit 1; }
   echo "[setup] $label: done in $((SECONDS - s)) s"
+  INSTALLED=1
 }
+INSTALLED=0
 
 # A C compiler: the crash test's power-loss model builds a small LD_PRELOAD shim.
 if ! command -v cc >/dev/null 2>&1; then
@@ -89,6 +92,14 @@ step "py-spy (profiles)" py-spy==0.4.3
 step "matplotlib (cachebench plot)" --constraint="$CONSTRAINTS" \
   matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 \
   pyparsing==3.3.3 python-dateutil==2.9.0.post0 six==1.17.0
+
+# Byte-compile what the steps installed, on all cores (compileall skips files whose .pyc is current);
+# without it every first import would compile, in every process that gets there first.
+if [ "$INSTALLED" = 1 ]; then
+  s=$SECONDS
+  "$VPY" -m compileall -q -j 0 "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+  echo "[setup] byte-compiled site-packages in $((SECONDS - s)) s"
+fi
 
 # The project itself (editable). Re-installed only when its build inputs changed (pyproject.toml,
 # setup.py, the native library's C sources), so the entry points (plugin group, console script) match
