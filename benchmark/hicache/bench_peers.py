@@ -7,7 +7,9 @@ policy, through the same harness as ``bench_server_ttft.py`` (``benchmark.suppor
 ``/generate`` with ``input_ids``, ``meta_info.cached_tokens_details``). Per tier, two phases:
 
 1. ``replay``: the tier's storage emptied, a fresh server (warmed with one unrelated prompt), the
-   workload once, closed loop at ``--concurrency`` or open loop at the trace's compressed timestamps;
+   workload once: ``--concurrency`` clients each replaying whole conversations, a turn after the last
+   one's answer (``--loop sessions``), or taking requests in trace order (``closed``), or open loop at
+   the trace's compressed timestamps (``open``);
 2. ``restart`` (tiers with storage; without, a restarted server is the replay's fresh one): that server
    stopped, a new one started on the same storage (our tier with cold start
    ``load``; side services kept, or restarted too with ``--restart-services``), the workload again with
@@ -15,9 +17,10 @@ policy, through the same harness as ``bench_server_ttft.py`` (``benchmark.suppor
    the tokens storage served.
 
 Recorded per tier and phase (``peer_report.py``): requests/s, TTFT p50/p90/p99, tokens served from
-device/host/storage, hit ratio against the ideal, bytes on disk (du), CPU seconds of the server's
-process tree and of the side services, output ids against the first tier's. A tier whose package is
-missing keeps its row with the exact import error and what it would take.
+device/host/storage, hit ratio against the ideal and where the rest went (in flight / lost), bytes on
+disk (du), CPU seconds of the server's process tree and of the side services, output ids against the
+first tier's. A tier whose package is missing keeps its row with the exact import error and what it
+would take.
 
     python -m benchmark.hicache.bench_peers run --model small --workload trace --trace conversation_trace.jsonl \\
         --conversations 40 --block-tokens 128 --max-input-tokens 16384 --concurrency 8 \\
@@ -30,7 +33,9 @@ missing keeps its row with the exact import error and what it would take.
 
 ``run`` writes ``peers.json`` (after every tier), ``peers.md`` and the PNGs; ``report`` rewrites the
 table and plots from a saved JSON, or from several runs of one workload that each measured some tiers
-(``--tiers``; merged into ``peers_merged.json``, the table saying the tiers came from consecutive runs). Nothing here needs a GPU except ``run``.
+(``--tiers``; merged into ``peers_merged.json``, the table saying the tiers came from consecutive runs);
+``report --trace FILE`` rebuilds the block ids of a run saved without them. Nothing here needs a GPU
+except ``run``.
 """
 
 from __future__ import annotations
@@ -65,21 +70,23 @@ def log(*a):
 
 
 # ---- workload -------------------------------------------------------------------------------------
+LOOPS = {"closed": "closed loop at {c}",
+         "sessions": "closed loop of conversations at {c} (a conversation's turns in order, each after the last "
+                     "one's answer)",
+         "open": "open loop, time / {t:g}"}
+
+
 def build_workload(args, model_dir: str) -> tuple:
     """(prompts, one-line description)."""
     cfg = ttft.model_config(model_dir)
     if args.workload == "trace":
         if not args.trace:
             raise SystemExit("--workload trace needs --trace FILE (Mooncake FAST'25 JSON Lines)")
-        reqs = wl.read_trace(args.trace)
-        sample = wl.sample_conversations(reqs, args.conversations, args.sample_fraction, args.seed)
-        prompts = wl.trace_prompts(sample, args.block_tokens, args.time_compression, args.max_input_tokens,
-                                   args.max_new_tokens, prefix=wl.system_prefix(reqs))
+        reqs, prompts = trace_workload(args, args.trace)
         conv = len({p.conversation for p in prompts})
         desc = (f"trace {os.path.basename(args.trace)}: {len(prompts)} of {len(reqs)} requests, {conv} whole "
                 f"conversations (seed {args.seed}), {args.block_tokens} tokens per block, input cap "
-                f"{args.max_input_tokens or '-'}, {args.loop} loop"
-                + (f" at {args.concurrency}" if args.loop == "closed" else f", time / {args.time_compression:g}"))
+                f"{args.max_input_tokens or '-'}, " + LOOPS[args.loop].format(c=args.concurrency, t=args.time_compression))
     else:
         bpt = ttft.kv_bytes_per_token(model_dir)
         need = wl.storm_docs_needed(args.device_tokens, int(args.hicache_size * GB), bpt, args.doc_tokens)
@@ -97,6 +104,37 @@ def build_workload(args, model_dir: str) -> tuple:
     if cfg.get("vocab_size") is None:
         raise SystemExit(f"{model_dir}/config.json has no vocab_size: the prompts' token ids need it")
     return prompts, desc
+
+
+def trace_workload(args, trace: str) -> tuple:
+    """(the trace's requests, the prompts of the sample the run's flags pick)."""
+    reqs = wl.read_trace(trace)
+    sample = wl.sample_conversations(reqs, args.conversations, args.sample_fraction, args.seed)
+    return reqs, wl.trace_prompts(sample, args.block_tokens, args.time_compression, args.max_input_tokens,
+                                  args.max_new_tokens, prefix=wl.system_prefix(reqs))
+
+
+def add_block_ids(result: dict, trace: str) -> bool:
+    """Give a saved trace run's prompts their block ids (``block_ids``; runs saved before the report's
+    in-flight / lost split kept only counts), rebuilt from ``trace`` with the run's own flags (its argv).
+    False when they were there already. Refuses a run that was not a trace replay, or prompts that come
+    out different from the saved ones (another trace, or other sampling code)."""
+    if all("block_ids" in p for p in result["prompts"]):
+        return False
+    args = parser().parse_args(result["meta"]["argv"])
+    if args.cmd != "run" or args.workload != "trace":
+        raise SystemExit(f"report --trace: the run was not a trace replay (argv {shlex.join(result['meta']['argv'])})")
+    prompts = trace_workload(args, trace)[1]
+    got = [(p.tokens, len(p.blocks), p.output_tokens) for p in prompts]
+    want = [(p["tokens"], p["blocks"], p["output_tokens"]) for p in result["prompts"]]
+    if got != want:
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        raise SystemExit(f"report --trace {trace}: rebuilt prompt {k} differs from the saved run's "
+                         f"({got[k] if k < len(got) else 'none'} vs {want[k] if k < len(want) else 'none'}: "
+                         "(tokens, blocks, output tokens)); give the trace file that run read")
+    for p, ids in zip(result["prompts"], wl.block_numbers(prompts)):
+        p["block_ids"] = ids
+    return True
 
 
 def ideal(prompts: list, block_tokens: int) -> dict:
@@ -197,8 +235,20 @@ def drop_page_cache() -> str:
 
 
 # ---- requests -------------------------------------------------------------------------------------
+def conversation_turns(prompts: list) -> list:
+    """Prompt indices grouped by conversation, each group in prompt order, groups in order of their first
+    prompt; a prompt without a conversation is a group of its own."""
+    groups: dict = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(("conversation", p.conversation) if p.conversation is not None else ("prompt", i), []).append(i)
+    return list(groups.values())
+
+
 def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: float, max_inflight: int) -> tuple:
-    """Send every prompt once (streaming, greedy): (rows in prompt order, wall seconds)."""
+    """Send every prompt once (streaming, greedy): (rows in prompt order, wall seconds). ``closed``:
+    ``concurrency`` clients take the prompts in order; ``sessions``: ``concurrency`` clients each replay
+    whole conversations, a turn only after the previous turn's answer (a chat user waits for it);
+    ``open``: each prompt at its offset ``at_s``, at most ``max_inflight`` in flight."""
     rows: list = [None] * len(prompts)
     t0 = time.monotonic()
 
@@ -218,6 +268,13 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
     if loop == "closed":
         with ThreadPoolExecutor(max(1, concurrency)) as ex:
             list(ex.map(one, range(len(prompts))))
+    elif loop == "sessions":  # each client replays one conversation at a time, a turn after the last one's answer
+        def session(turns: list) -> None:
+            for i in turns:
+                one(i)
+
+        with ThreadPoolExecutor(max(1, concurrency)) as ex:
+            list(ex.map(session, conversation_turns(prompts)))
     else:
         with ThreadPoolExecutor(max(1, max_inflight)) as ex:
             futures = []
@@ -378,7 +435,8 @@ def cmd_run(args) -> int:
                        "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")},
               "ideal": ideal(prompts, args.block_tokens),
               "prompts": [{"tokens": p.tokens, "blocks": len(p.blocks), "output_tokens": p.output_tokens,
-                           "at_s": p.at_s, "mode": wl.prompt_mode(tokens.prompt(p))} for p in prompts],
+                           "at_s": p.at_s, "mode": wl.prompt_mode(tokens.prompt(p)), "block_ids": ids}
+                          for p, ids in zip(prompts, wl.block_numbers(prompts))],
               "tiers": []}
     log(f"{desc}; ideal token hit ratio {result['ideal']['replay']['token_ratio']:.3f} "
         f"(restart {result['ideal']['restart']['token_ratio']:.3f})")
@@ -420,12 +478,13 @@ def cmd_report(args) -> int:
     for path in args.json:
         with open(path) as f:
             results.append(json.load(f))
+    added = [add_block_ids(r, args.trace) for r in results] if args.trace else []
     try:
         result = peer_report.merge(results)
     except ValueError as e:
         raise SystemExit(f"report: {e}")
     os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
-    if len(results) > 1:  # the one table's data, beside the inputs it came from
+    if len(results) > 1 or any(added):  # the one table's data, beside the inputs it came from
         write_private_json(os.path.join(args.out_dir, "peers_merged.json"), result)
     for path in peer_report.write_report(result, args.out_dir):
         log(f"wrote {path}")
@@ -450,8 +509,9 @@ def add_tier_args(p) -> None:
     p.add_argument("--attention-backend", default="triton", help="upstream's --attention-backend (fa3 on sm90)")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmark.hicache.bench_peers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the workload on every tier (needs a GPU)")
     add_tier_args(r)
@@ -464,8 +524,10 @@ def main(argv=None) -> int:
     r.add_argument("--time-compression", type=float, default=1.0, help="open loop: the trace's gaps / this")
     r.add_argument("--max-input-tokens", type=int, default=None, help="cap on a prompt's length")
     r.add_argument("--max-new-tokens", type=int, default=8, help="cap on the tokens each request generates")
-    r.add_argument("--loop", choices=["closed", "open"], default="closed")
-    r.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight (storm: clients)")
+    r.add_argument("--loop", choices=sorted(LOOPS), default="sessions",
+                   help="sessions: clients replay whole conversations, turn after answer; closed: clients take "
+                        "requests in trace order; open: at the trace's (compressed) timestamps")
+    r.add_argument("--concurrency", type=int, default=8, help="closed loops: clients (storm: clients)")
     r.add_argument("--max-inflight", type=int, default=256, help="open loop: bound on requests in flight")
     r.add_argument("--docs", type=int, default=0, help="storm documents (default: sized past the pools)")
     r.add_argument("--allow-small-storm", action="store_true", help="accept --docs whose KV fits in the pools")
@@ -494,7 +556,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("report", help="table and plots from saved peers.json files (several: one table)")
     p.add_argument("json", nargs="+", help="peers.json of one run, or of runs that each measured some tiers")
     p.add_argument("--out-dir", default="out/peers")
-    args = ap.parse_args(argv)
+    p.add_argument("--trace", help="the trace a run read: rebuilds the block ids a run saved before they were "
+                                   "kept (the in-flight / lost split needs them)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.cmd == "report":
         return cmd_report(args)
     if args.cmd == "commands":

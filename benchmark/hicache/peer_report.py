@@ -9,11 +9,20 @@ phase), CPU seconds of the server's process tree and of the tier's side services
 the reference tier (the first tier, in run order, with the phase): requests whose ids differ, of those
 compared. With ``kv_sensitive`` the run also counts first tokens that are the prompt's most frequent
 token (the shaped model's answer when the prefix KV is right).
+
+Where the hits went (``shortfall``), when the saved prompts carry their block ids: of each answered
+request's ideal, the tokens *in flight* (ideal, but the prompt holding them had not answered when this
+one was sent: no tier could have had them) and *lost* (reachable at send -- a prompt that had answered
+held them -- and not served: evicted from every level, never written, or declined by the prefetch);
+``peer_workloads.reachable_at_send`` says how. A tier whose hit ratio trails the ideal with nothing lost
+lost nothing: the replay's concurrency kept those blocks out of every tier.
 """
 
 from __future__ import annotations
 
 import os
+
+from benchmark.hicache import peer_workloads as wl
 
 GB = 1e9
 PHASES = ("replay", "restart")
@@ -55,6 +64,37 @@ def first_storage_hit_s(rows: list):
     return min(hits) if hits else None
 
 
+# upstream's default prefetch_threshold (HiCacheController; no tier here sets it): a storage hit shorter
+# than this many tokens is not fetched, so a request that misses only such a tail lost it to the threshold.
+PREFETCH_THRESHOLD = 256
+
+
+def shortfall(result: dict, phase: str, rows: list):
+    """{"in_flight", "lost", "lost_short"} tokens over a phase's answered requests (module docstring;
+    ``lost_short``: the lost tokens of requests that lost fewer than ``PREFETCH_THRESHOLD``), or None
+    when the saved prompts have no block ids."""
+    saved = result["prompts"]
+    if not saved or not all("block_ids" in p for p in saved):
+        return None
+    prompts = [wl.Prompt(tuple(p["block_ids"]), p["tokens"], p["output_tokens"]) for p in saved]
+    block_tokens = result["meta"]["block_tokens"]
+    warm = prompts if phase == "restart" else ()  # the restart finds what the replay wrote
+    ideal = wl.ideal_hits(prompts, block_tokens, warm=warm)["per_prompt_tokens"]
+    ok = [r for r in _ok(rows) if r.get("ttft_s") is not None]
+    sends: list = [None] * len(prompts)
+    for r in ok:
+        sends[r["i"]] = (r["sent_s"], r["sent_s"] + r["ttft_s"])
+    reach = wl.reachable_at_send(prompts, sends, block_tokens, warm=warm)
+    in_flight = lost = lost_short = 0
+    for r in ok:
+        i, served = r["i"], sum(r.get(k) or 0 for k in ("device", "host", "storage"))
+        missed = max(0, reach[i] - served)
+        lost += missed
+        lost_short += missed if missed < PREFETCH_THRESHOLD else 0
+        in_flight += max(0, ideal[i] - max(served, reach[i]))
+    return {"in_flight": in_flight, "lost": lost, "lost_short": lost_short}
+
+
 COLD = " (cold page cache)"
 
 
@@ -84,6 +124,7 @@ def summarize(result: dict) -> list:
                    **served, "prompt_tokens": tokens,
                    "hit_ratio": sum(served.values()) / tokens if tokens else None,
                    "ideal_ratio": (result.get("ideal") or {}).get(phase, {}).get("token_ratio"),
+                   **(shortfall(result, phase, rows) or {"in_flight": None, "lost": None, "lost_short": None}),
                    "disk_bytes": (ph.get("du") or {}).get("allocated"),
                    "cpu_server_s": ph.get("cpu_server_s"), "cpu_services_s": ph.get("cpu_services_s"),
                    "ids_differ": diff, "ids_compared": compared, "reference": label(ref),
@@ -102,7 +143,7 @@ def _f(v, fmt="{:.3f}"):
 
 def table(rows: list) -> str:
     head = ["tier", "phase", "req/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "device tok", "host tok",
-            "storage tok", "hit ratio (ideal)", "disk GB", "CPU s server + services", "ids differ / compared",
+            "storage tok", "hit ratio (ideal)", "in flight tok", f"lost tok (< {PREFETCH_THRESHOLD})", "disk GB", "CPU s server + services", "ids differ / compared",
             "startup s", "first storage hit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -115,6 +156,8 @@ def table(rows: list) -> str:
             r["tier"], r["phase"], _f(r["rps"], "{:.2f}"), _f(r["ttft_p50"]), _f(r["ttft_p90"]), _f(r["ttft_p99"]),
             f"{r['device']:,}", f"{r['host']:,}", f"{r['storage']:,}",
             f"{_f(r['hit_ratio'], '{:.3f}')} ({_f(r['ideal_ratio'], '{:.3f}')})",
+            _f(r["in_flight"], "{:,}"),
+            "-" if r["lost"] is None else f"{r['lost']:,} ({r['lost_short']:,})",
             _f(None if r["disk_bytes"] is None else r["disk_bytes"] / GB, "{:.2f}"), cpu,
             f"{r['ids_differ']} / {r['ids_compared']}" + (" (ref)" if r["reference"] == r["tier"] else ""),
             _f(r["startup_s"], "{:.1f}"), _f(r["first_storage_hit_s"], "{:.2f}")]) + " |")
@@ -128,6 +171,13 @@ def markdown(result: dict, rows: list) -> str:
         parts += [f"`{COLD.strip()}`: the page cache was synced and dropped before that tier's restart, so its storage "
                   "was read from the disk (as after a host restart, or with a working set larger than RAM); the "
                   "other rows restarted with whatever the page cache still held.", ""]
+    if any(r.get("lost") is not None for r in rows):
+        parts += ["`in flight`: prompt tokens of the ideal whose prompt had not answered when the request was sent "
+                  "(no tier could hold them yet: the replay's own concurrency); `lost`: tokens a prompt that had "
+                  "answered held, not served (evicted from every level, never written, or declined by the "
+                  "prefetch); in parentheses, the part lost by requests that each lost fewer than "
+                  f"{PREFETCH_THRESHOLD} tokens (upstream's default prefetch_threshold: a storage hit that short is "
+                  "not fetched). Ideal - hit ratio is at most (in flight + lost) / prompt tokens.", ""]
     if len(meta.get("runs") or ()) > 1:
         parts += [f"Tiers measured in {len(meta['runs'])} consecutive runs at the same code and settings "
                   f"(started {', '.join(str(x) for x in meta['runs'])}).", ""]
@@ -194,10 +244,13 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
     for ax, phase in zip(axes[0], phases):
         by = {r["tier"]: r for r in ran_rows if r["phase"] == phase}
         bottom = [0.0] * len(names)
-        for level in ("device", "host", "storage"):
-            vals = [(by[n][level] / by[n]["prompt_tokens"]) if n in by and by[n]["prompt_tokens"] else 0.0
+        levels = ("device", "host", "storage") + (("lost", "in_flight") if any(
+            by[n].get("lost") is not None for n in by) else ())
+        style = {"lost": {"color": "tab:red", "alpha": 0.5}, "in_flight": {"color": "0.8", "hatch": "//"}}
+        for level in levels:
+            vals = [((by[n].get(level) or 0) / by[n]["prompt_tokens"]) if n in by and by[n]["prompt_tokens"] else 0.0
                     for n in names]
-            ax.bar(range(len(names)), vals, 0.6, bottom=bottom, label=level)
+            ax.bar(range(len(names)), vals, 0.6, bottom=bottom, label=level.replace("_", " "), **style.get(level, {}))
             bottom = [b + v for b, v in zip(bottom, vals)]
         ideal = (result.get("ideal") or {}).get(phase, {}).get("token_ratio")
         if ideal is not None:
@@ -241,7 +294,7 @@ def merge(results: list) -> dict:
             tiers.pop(label(t), None)
             tiers[label(t)] = t
     meta = dict(base["meta"])
-    meta["runs"] = [r["meta"].get("started") for r in results]
+    meta["runs"] = [x for r in results for x in (r["meta"].get("runs") or [r["meta"].get("started")])]  # a merged input keeps its runs
     return {**base, "meta": meta, "tiers": list(tiers.values())}
 
 

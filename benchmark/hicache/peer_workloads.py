@@ -38,6 +38,16 @@ hit, the tokens earlier prompts held of it; at most ``(tokens - 1) // page * pag
 caches whole pages and never a prompt's last token), over all prompt tokens: the ceiling for a tier's
 ``cached_tokens_details`` (device + host + storage).
 
+**Reachable at send** (``reachable_at_send``), the same prefix cache as a run could have had it: a
+prompt's blocks count only from the moment its first token came back (its prefill is then done), so a
+turn sent while an earlier turn of its conversation was still in prefill reaches less than the ideal.
+It splits a tier's shortfall from the ideal into *in flight* (no tier could hold those blocks yet: the
+replay's own concurrency) and *lost* (blocks a prompt that had already answered held, not served:
+evicted from every level, never written, or declined by the prefetch) -- ``peer_report`` prints both.
+The trace's turns come minutes apart; a replay that keeps a conversation's turns in order (closed loop
+of conversations, ``--loop sessions``) leaves little in flight, one that sends requests in trace order
+on a few clients (``--loop closed``) sends later turns before earlier ones are done.
+
 **Long-document storm** (``storm``): ``docs`` documents x ``suffixes`` suffixes, documents drawn with
 Zipf(``alpha``) popularity from a seeded RNG, each request a whole document and one of its suffixes.
 ``storm_docs_needed`` sizes ``docs`` so the documents' KV exceeds device + host pool memory.
@@ -247,38 +257,80 @@ def prompt_mode(ids: list) -> Optional[int]:
 
 
 # ---- ideal hit ratio ------------------------------------------------------------------------------
-def ideal_hits(prompts: list, block_tokens: int, page: int = PAGE, warm: Iterable = ()) -> dict:
-    """What an unbounded prefix cache could serve of ``prompts`` in order (module docstring), having
-    seen the ``warm`` prompts first (a restart's replay: the store kept everything the first pass wrote)."""
-    held: dict = {}  # block -> how many of its first tokens some earlier prompt held
+class _Held:
+    """Blocks a prefix cache of unbounded size holds: block -> how many of its first tokens it holds."""
 
-    def hold(p: Prompt) -> None:
+    def __init__(self, block_tokens: int, page: int):
+        self.block_tokens, self.page, self.tokens = block_tokens, page, {}
+
+    def add(self, p: Prompt) -> None:
         for j, b in enumerate(p.blocks):
-            held[b] = max(held.get(b, 0), min(block_tokens, p.tokens - j * block_tokens))
+            self.tokens[b] = max(self.tokens.get(b, 0), min(self.block_tokens, p.tokens - j * self.block_tokens))
 
-    for p in warm:
-        hold(p)
-    hit_blocks = blocks = hit_tokens = tokens = 0
-    per_prompt = []
-    for p in prompts:
+    def serve(self, p: Prompt) -> tuple:
+        """(whole blocks hit, tokens servable) for ``p``: its held prefix, whole pages, never its last token."""
         n_hit = prefix = 0
         for j, b in enumerate(p.blocks):
-            need, have = min(block_tokens, p.tokens - j * block_tokens), held.get(b, 0)
+            need, have = min(self.block_tokens, p.tokens - j * self.block_tokens), self.tokens.get(b, 0)
             if have < need:
                 prefix += have  # a block held in part: its first tokens still match, then the prefix ends
                 break
             n_hit += 1
             prefix += need
-        servable = min(prefix, max(0, (p.tokens - 1) // page * page))
+        return n_hit, min(prefix, max(0, (p.tokens - 1) // self.page * self.page))
+
+
+def ideal_hits(prompts: list, block_tokens: int, page: int = PAGE, warm: Iterable = ()) -> dict:
+    """What an unbounded prefix cache could serve of ``prompts`` in order (module docstring), having
+    seen the ``warm`` prompts first (a restart's replay: the store kept everything the first pass wrote)."""
+    held = _Held(block_tokens, page)
+    for p in warm:
+        held.add(p)
+    hit_blocks = blocks = hit_tokens = tokens = 0
+    per_prompt = []
+    for p in prompts:
+        n_hit, servable = held.serve(p)
         per_prompt.append(servable)
         hit_blocks += n_hit
         blocks += len(p.blocks)
         hit_tokens += servable
         tokens += p.tokens
-        hold(p)
+        held.add(p)
     return {"hit_blocks": hit_blocks, "blocks": blocks, "block_ratio": hit_blocks / blocks if blocks else 0.0,
             "hit_tokens": hit_tokens, "tokens": tokens, "token_ratio": hit_tokens / tokens if tokens else 0.0,
             "per_prompt_tokens": per_prompt}
+
+
+def reachable_at_send(prompts: list, sends: list, block_tokens: int, page: int = PAGE, warm: Iterable = ()) -> list:
+    """Per prompt, what an unbounded prefix cache could have served it at the moment it was sent, given
+    when each prompt's KV existed: ``sends[i]`` is (sent_s, first_token_s) of prompt i in one phase, or
+    None for a request that failed. A server caches a prompt's KV as its prefill runs and the first token
+    ends the prefill, so prompt j's blocks count for prompt i when j's first token came back no later than
+    i was sent; the ``warm`` prompts' blocks count from the start. None where ``sends[i]`` is None.
+
+    The gap between the ideal (``ideal_hits``, trace order) and this is the run's own concurrency: a turn
+    sent while the turn before it was still in prefill cannot find that turn's KV in any tier."""
+    if len(sends) != len(prompts):
+        raise ValueError(f"reachable_at_send: {len(sends)} send times for {len(prompts)} prompts")
+    held = _Held(block_tokens, page)
+    for p in warm:
+        held.add(p)
+    answered = sorted((s[1], i) for i, s in enumerate(sends) if s is not None)
+    out: list = [None] * len(prompts)
+    k = 0
+    for sent, i in sorted((s[0], i) for i, s in enumerate(sends) if s is not None):
+        while k < len(answered) and answered[k][0] <= sent:
+            held.add(prompts[answered[k][1]])
+            k += 1
+        out[i] = held.serve(prompts[i])[1]
+    return out
+
+
+def block_numbers(prompts: list) -> list:
+    """Each prompt's blocks as small integers, numbered in order of first appearance: what a saved run
+    keeps of the block ids (equality is all the hit-ratio functions need)."""
+    ids: dict = {}
+    return [[ids.setdefault(b, len(ids)) for b in p.blocks] for p in prompts]
 
 
 def distinct_tokens(prompts: list, block_tokens: int) -> int:

@@ -111,6 +111,29 @@ def test_ideal_hit_ratio_hand_example():
     assert ideal["replay"]["block_ratio"] == 0.5 and ideal["restart"]["hit_tokens"] == 0
 
 
+def test_reachable_at_send_counts_a_prompt_only_after_its_first_token():
+    """The hand example's prompts (block_tokens 4, page 2) with (sent, first token) times:
+    P1 (0, 1)     -> nothing answered yet: 0
+    P2 (0.5, 2)   -> P1 answers at 1, after P2 was sent: 0 (the ideal's 8 was in flight)
+    P3 (2.5, 3)   -> P1, P2 answered: a:4 b:4 c:2 held -> a, then 2 of c: 6 (= ideal)
+    P4 (2.9, 5)   -> P3 (which held c whole) answers at 3: c still 2 -> 4 + 2 = 6 (ideal 8)
+    P5 failed     -> None, and its blocks are never held
+    P6 (6, 7)     -> e unheld first: 0
+    Sent in order, each after the one before answered, it is the ideal; with every prompt warm, the
+    restart's ideal."""
+    P = wl.Prompt
+    prompts = [P(("a", "b"), 8, 1), P(("a", "b", "c"), 10, 1), P(("a", "c"), 8, 1), P(("a", "c", "d"), 12, 1),
+               P(("a", "b"), 8, 1), P(("e", "a"), 8, 1)]
+    sends = [(0, 1), (0.5, 2), (2.5, 3), (2.9, 5), None, (6, 7)]
+    assert wl.reachable_at_send(prompts, sends, 4, page=2) == [0, 0, 6, 6, None, 0]
+    in_order = [(2 * i, 2 * i + 1) for i in range(6)]
+    assert wl.reachable_at_send(prompts, in_order, 4, page=2) == wl.ideal_hits(prompts, 4, page=2)["per_prompt_tokens"]
+    assert wl.reachable_at_send(prompts, sends, 4, page=2, warm=prompts) == [6, 8, 6, 10, None, 6]
+    with pytest.raises(ValueError, match="5 send times for 6 prompts"):
+        wl.reachable_at_send(prompts, sends[:5], 4, page=2)
+    assert wl.block_numbers([P(("x", "y"), 8, 1), P(("y", 7), 8, 1)]) == [[0, 1], [1, 2]]
+
+
 def test_trace_prompts_scale_cap_and_open_loop_schedule():
     reqs = wl.parse_trace([json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids})
                            for t, n, o, ids in ((4000, 1000, 900, [0, 5, 6]), (1000, 1100, 2, [0, 7, 8, 9]),
@@ -328,7 +351,7 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
     out = tmp_path / "out"
     assert bench.main(["report", str(path), "--out-dir", str(out)]) == 0
     md = (out / "peers.md").read_text()
-    assert "| cp-l3-python | restart | 1.50 | 0.200 | 0.200 | 0.200 | 192 | 0 | 384 | 0.750 (0.750) | 2.00 | " \
+    assert "| cp-l3-python | restart | 1.50 | 0.200 | 0.200 | 0.200 | 192 | 0 | 384 | 0.750 (0.750) | - | - | 2.00 | " \
            "12.5 + 0.0 | 1 / 3 | 30.0 | 0.80 |" in md
     assert "| hicache-l2 | replay | 2.00 |" in md and "0 / 4 (ref)" in md
     assert "| nixl | - | not run: ModuleNotFoundError: No module named 'nixl' |" in md
@@ -351,6 +374,8 @@ def test_report_merges_runs_that_each_measured_some_tiers(tmp_path):
     merged = report.merge([a, b])
     assert [t["name"] for t in merged["tiers"]] == [t["name"] for t in res["tiers"]]
     assert merged["meta"]["runs"] == ["t1", "t2"]
+    assert report.merge([merged])["meta"]["runs"] == ["t1", "t2"]  # a merged result merged again keeps its runs
+    assert report.merge([merged, a])["meta"]["runs"] == ["t1", "t2", "t1"]
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
@@ -382,6 +407,89 @@ def test_report_merges_runs_that_each_measured_some_tiers(tmp_path):
         bench.main(["report", str(pa), str(pb), "--out-dir", str(out)])
 
 
+def shortfall_result():
+    """block_tokens 64 (the server's page). P0 [0,1] 128 tokens, P1 [0,1,2] 192, P2 [0,1,2,3] 256:
+    ideal 0, 128, 192 (a page short of each prompt's end at most); restart ideal 64, 128, 192.
+    Replay: P0 sent at 0 answers at 1; P1 sent at 0.5 (P0 not answered: reachable 0), served 64 -> in
+    flight 128 - 64 = 64; P2 sent at 2 (both answered: reachable 192), served 128 -> lost 64.
+    Restart: everything reachable; served 64, 128, 128 -> lost 64, nothing in flight."""
+    def row(i, sent, ttft, served):
+        return {"i": i, "sent_s": sent, "ttft_s": ttft, "latency_s": ttft + 0.1, "device": served // 2,
+                "host": 0, "storage": served - served // 2, "output_ids": [1]}
+
+    ph = lambda rows: {"wall_s": 3.0, "requests": rows, "du": None}  # noqa: E731
+    return {"schema": 1, "meta": {"workload": "hand", "block_tokens": 64, "argv": []},
+            "ideal": {"replay": {"token_ratio": 320 / 576}, "restart": {"token_ratio": 384 / 576}},
+            "prompts": [{"tokens": 64 * (2 + k), "blocks": 2 + k, "output_tokens": 1, "at_s": 0.0, "mode": None,
+                         "block_ids": list(range(2 + k))} for k in range(3)],
+            "tiers": [{"name": "ours", "how": "ours", "error": None,
+                       "phases": {"replay": ph([row(0, 0.0, 1.0, 0), row(1, 0.5, 1.0, 64), row(2, 2.0, 0.5, 128)]),
+                                  "restart": ph([row(0, 0.0, 0.2, 64), row(1, 0.0, 0.2, 128),
+                                                 row(2, 0.0, 0.2, 128)])}}]}
+
+
+def test_report_splits_the_shortfall_into_in_flight_and_lost(tmp_path):
+    res = shortfall_result()
+    rows = {(r["tier"], r["phase"]): r for r in report.summarize(res)}
+    assert [rows[("ours", "replay")][k] for k in ("in_flight", "lost", "lost_short")] == [64, 64, 64]
+    assert [rows[("ours", "restart")][k] for k in ("in_flight", "lost", "lost_short")] == [0, 64, 64]
+    res["tiers"][0]["phases"]["replay"]["requests"][1]["error"] = "OSError: timed out"  # P1 never answered:
+    r = report.summarize(res)[0]  # P2's blocks 0, 1 come from P0 alone, block 2 was P1's: reachable 128, served 128
+    assert (r["in_flight"], r["lost"]) == (64, 0)
+    md = report.markdown(res, report.summarize(res))
+    assert "| 64 | 0 (0) |" in md and "`in flight`: prompt tokens of the ideal" in md
+    big = shortfall_result()  # 256-token blocks, nothing served after the restart: every loss is long
+    big["meta"]["block_tokens"] = 256
+    for p in big["prompts"]:
+        p["tokens"] *= 4
+    for r in big["tiers"][0]["phases"]["restart"]["requests"]:
+        r["device"] = r["storage"] = 0
+    r = report.summarize(big)[1]  # restart ideal: 448, 704, 960 (a page short of each end)
+    assert (r["phase"], r["lost"], r["lost_short"]) == ("restart", 448 + 704 + 960, 0)
+    for p in res["prompts"]:
+        del p["block_ids"]
+    assert report.summarize(res)[0]["lost"] is None
+    assert "`in flight`" not in report.markdown(res, report.summarize(res))
+
+
+def test_report_rebuilds_the_block_ids_of_a_run_saved_without_them(tmp_path):
+    """A trace run saved before runs kept block ids: ``report --trace`` rebuilds them from the trace with
+    the run's own flags, refusing another trace or a run that was not a trace replay."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(trace_lines()) + "\n")
+    argv = ["run", "--workload", "trace", "--trace", "elsewhere.jsonl", "--conversations", "3", "--block-tokens", "256",
+            "--max-input-tokens", "2048", "--work-dir", "/nonexistent"]
+    args = bench.parser().parse_args(argv)
+    prompts = bench.trace_workload(args, str(trace))[1]
+    res = shortfall_result()
+    res["meta"].update(argv=argv, block_tokens=256)
+    res["prompts"] = [{"tokens": p.tokens, "blocks": len(p.blocks), "output_tokens": p.output_tokens, "at_s": p.at_s,
+                       "mode": None} for p in prompts]
+    rows = [{"i": i, "sent_s": float(i), "ttft_s": 0.5, "latency_s": 0.6, "device": 0, "host": 0, "storage": 0,
+             "output_ids": [1]} for i in range(len(prompts))]
+    res["tiers"][0]["phases"] = {"replay": {"wall_s": 9.0, "requests": rows, "du": None}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(res))
+    out = tmp_path / "out"
+    assert bench.main(["report", str(path), "--trace", str(trace), "--out-dir", str(out)]) == 0
+    merged = json.loads((out / "peers_merged.json").read_text())
+    assert [p["block_ids"] for p in merged["prompts"]] == wl.block_numbers(prompts)
+    ideal = wl.ideal_hits(prompts, 256)["hit_tokens"]
+    assert ideal > 0 and report.summarize(merged)[0]["in_flight"] == 0  # each sent after the last answered
+    assert report.summarize(merged)[0]["lost"] == ideal  # nothing served
+    other = tmp_path / "other.jsonl"
+    longer = [json.loads(x) for x in trace_lines()]
+    for x in longer:
+        x["input_length"] += 512  # another trace: every prompt a block longer
+    other.write_text("\n".join(json.dumps(x) for x in longer) + "\n")
+    with pytest.raises(SystemExit, match="rebuilt prompt .* differs from the saved run's"):
+        bench.main(["report", str(path), "--trace", str(other), "--out-dir", str(out)])
+    res["meta"]["argv"] = ["run", "--workload", "storm", "--work-dir", "/nonexistent"]
+    path.write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match="the run was not a trace replay"):
+        bench.main(["report", str(path), "--trace", str(trace), "--out-dir", str(out)])
+
+
 def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
     """drive() over the harness's real streaming client, against a local HTTP endpoint that answers like
     /generate (SSE chunks, then [DONE]): rows in prompt order, cache sources and ids per request, the
@@ -391,6 +499,7 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     state = {"inflight": 0, "peak": 0}
+    spans: dict = {}  # prompt length -> (start, end) as the server saw it
     lock = threading.Lock()
 
     class Generate(BaseHTTPRequestHandler):
@@ -400,9 +509,11 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
             with lock:
                 state["inflight"] += 1
                 state["peak"] = max(state["peak"], state["inflight"])
+            start = time.monotonic()
             time.sleep(0.05)
             with lock:
                 state["inflight"] -= 1
+                spans[len(ids)] = (start, time.monotonic())
             if len(ids) == 13:
                 self.send_response(500)
                 self.end_headers()
@@ -434,6 +545,21 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
         assert all(0 <= r["late_s"] < 0.1 for r in rows) and wall >= 0.8, [r["late_s"] for r in rows]
         assert [round(r["sent_s"] - r["late_s"], 2) for r in rows] == [0.0, 0.15, 0.3, 0.45, 0.6, 0.75, 0.8]
         assert rows[6]["error"].startswith("HTTPError") and "500" in rows[6]["error"]
+
+        # two conversations of three turns: sessions hold each one's turns in order, closed does not
+        convs = [wl.Prompt((i, i + 1, i + 2), 30 + i, 1, conversation=i // 3) for i in range(6)]
+        assert bench.conversation_turns(convs + [wl.Prompt((9,), 40, 1)]) == [[0, 1, 2], [3, 4, 5], [6]]
+
+        def overlaps(loop):
+            state["peak"] = 0
+            spans.clear()
+            rows, _ = bench.drive(srv, convs, tokens, loop, 2, 30, 8)
+            assert [r["output_ids"][0] for r in rows] == [30 + i for i in range(6)]
+            turns = [spans[30 + i] for i in range(6)]
+            return state["peak"], sum(turns[i + 1][0] < turns[i][1] for i in (0, 1, 3, 4))
+
+        assert overlaps("sessions") == (2, 0)  # both conversations at once, never two turns of one
+        assert overlaps("closed")[1] > 0  # turns 1 and 2 of the first conversation start together
     finally:
         httpd.shutdown()
         httpd.server_close()
