@@ -5,13 +5,17 @@
 #
 # Idempotent: every step checks what is already installed and skips itself, so a
 # second run takes seconds. Order matters:
-#   1. torch 2.14.1 + torchvision 0.29.1 (sglang 0.5.23's pin; pip takes them from the
-#      machine's local wheel dir; uv/poetry would download ~3 GB instead).
+#   1. torch 2.14.1 + torchvision 0.29.1 (sglang 0.5.23's pin), from wherever pip's own
+#      configuration points (the machine's local wheel dir and indexes).
 #   2. sglang==0.5.23 with --no-deps: its declared deps include CUDA-only kernels
 #      (flashinfer, sgl-kernel, flash-attn, ...) that neither install nor are needed
 #      to import the modules we hook.
 #   3. the pure-Python packages those modules import, pinned by scripts/constraints.txt.
 #   4. this project, editable, with its test extras.
+# The installer is uv (pinned, installed into the venv) where it can be had, given pip's own
+# configuration (find-links, index URLs, constraint file, certificate) so that it installs the same
+# pinned versions from the same places, in a fraction of pip's time; pip where uv cannot be had or
+# a step fails under it (the log says so). SGLANG_CP_SETUP_INSTALLER=pip forces pip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${SGLANG_CP_VENV:-.venv}"
@@ -41,6 +45,45 @@ for req in sys.argv[1:]:
 PYEOF
 }
 
+UV_PIN="uv==0.13.9"
+UV=""
+UV_ARGS=()
+# uv reads none of pip's configuration: hand it pip's (files and PIP_* variables, as `pip config list`
+# prints them) so both installers see the same wheel dirs, indexes and constraints.
+uv_args_from_pip_config() {
+  local line key val v
+  while IFS= read -r line; do
+    key="${line%%=*}"; key="${key##*.}"
+    val="${line#*=}"; val="${val#\'}"; val="${val%\'}"
+    case "$key" in
+      find-links)      for v in $val; do UV_ARGS+=(--find-links "$v"); done ;;
+      index-url)       UV_ARGS+=(--index-url "$val") ;;
+      extra-index-url) for v in $val; do UV_ARGS+=(--extra-index-url "$v"); done ;;
+      constraint)      for v in $val; do UV_ARGS+=(--constraint "$v"); done ;;
+      no-index)        UV_ARGS+=(--no-index) ;;
+      cert)            export SSL_CERT_FILE="$val" ;;
+    esac
+  done < <("$VPY" -m pip config list 2>/dev/null)
+}
+if [ "${SGLANG_CP_SETUP_INSTALLER:-uv}" = uv ]; then
+  if [ -z "$(missing "$UV_PIN")" ] || "$VPY" -m pip install -q --disable-pip-version-check "$UV_PIN" >/dev/null 2>&1; then
+    UV="$VENV/bin/uv"
+    uv_args_from_pip_config
+  else
+    echo "[setup] uv ($UV_PIN) could not be installed: installing with pip"
+  fi
+fi
+
+pip_install() {
+  # sglang was installed with --no-deps on purpose (its CUDA-only requirements do not
+  # install here), so pip's resolver report about them is expected: keep it out of the log.
+  # --no-compile: the installers byte-compile on one core; compileall below does it on every core, once.
+  "$VPY" -m pip install -q --disable-pip-version-check --no-compile "$@" 2>&1 \
+    | grep -v -e "is ignored: it is neither" -e "^sglang 0.5.23 requires " \
+              -e "^ERROR: pip's dependency resolver does not currently take into account" \
+              -e "^This behaviour is the source of the following dependency conflicts" || true
+}
+
 step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
   local label="$1"; shift
   local reqs=() a
@@ -50,14 +93,15 @@ step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
     return 0
   fi
   local s=$SECONDS
-  echo "[setup] $label: installing"
-  # sglang was installed with --no-deps on purpose (its CUDA-only requirements do not
-  # install here), so pip's resolver report about them is expected: keep it out of the log.
-  # --no-compile: pip byte-compiles on one core; compile_new below does it on every core, once.
-  "$VPY" -m pip install -q --disable-pip-version-check --no-compile "$@" 2>&1 \
-    | grep -v -e "is ignored: it is neither" -e "^sglang 0.5.23 requires " \
-              -e "^ERROR: pip's dependency resolver does not currently take into account" \
-              -e "^This behaviour is the source of the following dependency conflicts" || true
+  echo "[setup] $label: installing${UV:+ (uv)}"
+  # unsafe-best-match: like pip, take the best match of a pin from every index, not the first index's.
+  if [ -n "$UV" ] && ! "$UV" pip install -q --python "$VPY" --no-compile --index-strategy unsafe-best-match \
+      "${UV_ARGS[@]}" "$@"; then
+    echo "[setup] $label: uv failed (above): installing with pip"
+    pip_install "$@"
+  elif [ -z "$UV" ]; then
+    pip_install "$@"
+  fi
   [ -z "$(missing "${reqs[@]}")" ] || { echo "[setup] $label: FAILED to install: $(missing "${reqs[@]}")"; exit 1; }
   echo "[setup] $label: done in $((SECONDS - s)) s"
   INSTALLED=1

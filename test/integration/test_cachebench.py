@@ -1,6 +1,7 @@
 """`sglang-cp cachebench` end to end as a real process: gloo rank processes with upstream's
 host pools and controller and our L3, all four phases, the restart with cold start `load`,
-and its outputs (exit code, JSON, PNG). CI runs a tiny replay of a JSONL trace; the
+and its outputs (exit code, JSON, PNG). CI runs a tiny replay of a JSONL trace, then replays it
+again against the L3 directory it left, with damaged payloads (`load` of an operator's directory); the
 README's demo run and `--quick` are the slow-marked tests."""
 
 import json
@@ -11,6 +12,8 @@ import sys
 import pytest
 
 from sglang_cp.cachebench.workload import WorkloadSpec, generate, write_trace
+from sglang_cp.l3 import load_l3_config
+from sglang_cp.l3.tools.fsck import all_entries, find_slabs, open_index
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,18 +53,38 @@ def _check_result(out_dir, proc):
     return res
 
 
-# threshold 0 is slow-marked: CI's test_cachebench_reuse replays the same kind of trace at threshold 0 already.
-@pytest.mark.parametrize("threshold", [256, pytest.param(0, marks=pytest.mark.slow)])
-def test_tiny_trace_replay_through_all_phases(tmp_path, threshold):
-    trace = tmp_path / "trace.jsonl"
+def tiny_trace(path) -> list:
+    """A tiny JSONL trace at ``path``; the cachebench arguments that replay it on two sharded ranks."""
     write_trace(generate(WorkloadSpec(system_prompts=1, system_tokens=256, documents=3, doc_tokens_min=256,
                                       doc_tokens_max=512, sessions=5, turns=2, turn_tokens=128, seed=7)),
-                str(trace))
-    out = tmp_path / "out"
-    proc = cachebench("--trace", str(trace), "--cp-size", "2", "--layers", "2",
-                      "--raw-mb", "16", "--out-dir", str(out), "--prefetch-threshold", str(threshold))
+                str(path))
+    return ["--trace", str(path), "--cp-size", "2", "--layers", "2", "--raw-mb", "16"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny trace replayed at upstream's default prefetch threshold: (arguments, out dir, process).
+    The reuse test's second run replays against the L3 directory it leaves."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    args = tiny_trace(tmp / "trace.jsonl") + ["--prefetch-threshold", "256"]
+    return args, tmp / "out", cachebench(*args, "--out-dir", str(tmp / "out"))
+
+
+def test_tiny_trace_replay_through_all_phases(tiny_run):
+    args, out, proc = tiny_run
+    _check_tiny_trace(out, proc, args[1], 256)
+
+
+@pytest.mark.slow  # in CI the reuse test's second run replays the tiny trace without a threshold
+def test_tiny_trace_replay_without_a_prefetch_threshold(tmp_path):
+    args = tiny_trace(tmp_path / "trace.jsonl") + ["--prefetch-threshold", "0"]
+    proc = cachebench(*args, "--out-dir", str(tmp_path / "out"))
+    _check_tiny_trace(tmp_path / "out", proc, args[1], 0)
+
+
+def _check_tiny_trace(out, proc, trace, threshold):
     res = _check_result(str(out), proc)
-    assert res["config"]["trace"] == str(trace) and res["config"]["sharded"]
+    assert res["config"]["trace"] == trace and res["config"]["sharded"]
     assert open(out / "l3" / "l3.toml").readline().startswith("# sglang-cp L3 config written by `sglang-cp cachebench`")
     assert res["config"]["prefetch_threshold"] == threshold
     ph = res["phases"].values()
@@ -71,6 +94,75 @@ def test_tiny_trace_replay_through_all_phases(tmp_path, threshold):
         assert skipped > 0 and f"prefetch_threshold {threshold} tokens" in proc.stdout
     else:
         assert skipped == 0 and all(p["computed_pages"] == 0 for p in list(ph)[2:])
+
+
+def _damage_payloads(cfg_path) -> int:
+    """Flip one payload byte of every referenced kv slot (header untouched); returns how many."""
+    cfg = load_l3_config(cfg_path)
+    slabs = {(s.rank, s.tag): s for s in find_slabs(cfg) if s.payload == "kv"}
+    index = open_index(cfg)
+    try:
+        entries = all_entries(index)
+    finally:
+        index.close()
+    n = 0
+    for _, e in entries:
+        s = slabs.get((e.rank, e.payload_tag))
+        if s is None:
+            continue
+        off = e.slot * s.slot_bytes + 100
+        fd = os.open(s.path, os.O_RDWR)
+        try:
+            b = os.pread(fd, 1, off)
+            os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        n += 1
+    return n
+
+
+def test_load_against_an_existing_directory_counts_damage_as_partial_hits(tiny_run):
+    """`load` against an L3 directory an operator already has, without deleting it, and damage found only
+    at read time counted as partial hits with their cause, not as errors. Payload bytes are flipped on
+    disk in the slots the index references (headers intact, so cold start `load` keeps them: it checks
+    headers only); the second run replays against them. The existence check reads only the index, so
+    the ranks agree on a hit and the CRC mismatch shows at read: the store drops the page (a miss, no
+    wrong byte) and the agreed hit completes short."""
+    args, first, proc = tiny_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cfg = str(first / "l3" / "l3.toml")
+    marker = first / "l3" / "operator-file"
+    marker.write_text("kept")
+    assert _damage_payloads(cfg) > 0
+
+    second = first.parent / "second"
+    assert args[-2:] == ["--prefetch-threshold", "256"]
+    args = args[:-2] + ["--prefetch-threshold", "0"]  # every lookup reaches L3 and its damaged pages
+    p = cachebench(*args, "--out-dir", str(second), "--cp-l3-config", cfg, "--cp-l3-cold-start", "load")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert marker.read_text() == "kept"  # the directory was used as it is, not deleted
+    res = json.load(open(second / "cachebench.json"))
+    assert res["config"]["l3_reused"] and res["config"]["cold_start"] == "load"
+    assert res["errors"] == 0, res["error_samples"]
+    ph = res["phases"]
+    partial = sum(x["l3_partial_pages"] for x in ph.values())
+    assert partial > 0
+    causes = {}
+    for x in ph.values():
+        for k, v in x["l3_partial_causes"].items():
+            causes[k] = causes.get(k, 0) + v
+    assert causes.get("crc_errors", 0) > 0, causes
+    assert "partial L3 hits" in p.stdout and "crc_errors" in p.stdout
+    for x in ph.values():
+        assert x["rank_divergent_requests"] == 0
+        assert x["l2_hit_pages"] + x["l3_hit_pages"] + x["computed_pages"] == x["pages"]
+        assert x["l3_declined_pages"] == x["l3_revoked_pages"] == 0  # threshold 0: nothing declined
+
+
+def test_load_without_a_directory_is_a_usage_error(tmp_path):
+    p = cachebench("--cp-l3-cold-start", "load", "--sessions", "2", "--out-dir", str(tmp_path / "none"))
+    assert p.returncode == 2 and "no L3 directory from an earlier run" in p.stdout, p.stdout
 
 
 def test_usage_errors_exit_2_before_any_rank_starts(tmp_path):
