@@ -14,10 +14,12 @@ demo: setup
 	.venv/bin/sglang-cp l3 fsck --cp-l3-config out/cachebench/l3/l3.toml
 	.venv/bin/sglang-cp doctor --cp-l3-config out/cachebench/l3/l3.toml
 
-# CI's suite (slow-marked tests excluded by pyproject's addopts), on pytest-xdist workers: more workers
-# than CI's 2 cores, as many tests wait on their rank processes and subprocesses. --dist loadgroup keeps
-# each xdist_group on one worker (test/conftest.py: host-wide resources, shared module fixtures).
-TEST_WORKERS ?= 3
+# CI's suite (slow-marked tests excluded by pyproject's addopts), on pytest-xdist workers: twice CI's 2
+# cores, as many tests wait on their rank processes and subprocesses, and a long xdist_group then holds
+# one worker of four instead of one of three (pytest 810 -> 718 s on the 2-core VM, both CPU-bound).
+# --dist loadgroup keeps each xdist_group on one worker (test/conftest.py: host-wide resources, shared
+# module fixtures).
+TEST_WORKERS ?= 4
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15 test
 
