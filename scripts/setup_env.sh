@@ -48,29 +48,24 @@ PYEOF
 UV_PIN="uv==0.13.9"
 UV=""
 UV_ARGS=()
-# uv reads none of pip's configuration: hand it pip's (files and PIP_* variables, as `pip config list`
-# prints them) so both installers see the same wheel dirs, indexes and constraints.
+# uv reads none of pip's configuration: scripts/uv_args.py hands it pip's (files and PIP_* variables)
+# so both installers see the same wheel dirs, indexes and constraints.
 uv_args_from_pip_config() {
-  local line key val v
+  local line out
+  out="$("$VPY" scripts/uv_args.py)" || return 1
   while IFS= read -r line; do
-    key="${line%%=*}"; key="${key##*.}"
-    val="${line#*=}"; val="${val#\'}"; val="${val%\'}"
-    case "$key" in
-      find-links)      for v in $val; do UV_ARGS+=(--find-links "$v"); done ;;
-      index-url)       UV_ARGS+=(--index-url "$val") ;;
-      extra-index-url) for v in $val; do UV_ARGS+=(--extra-index-url "$v"); done ;;
-      constraint)      for v in $val; do UV_ARGS+=(--constraint "$v"); done ;;
-      no-index)        UV_ARGS+=(--no-index) ;;
-      cert)            export SSL_CERT_FILE="$val" ;;
+    case "$line" in
+      SSL_CERT_FILE=*) export SSL_CERT_FILE="${line#SSL_CERT_FILE=}" ;;
+      ?*) UV_ARGS+=("$line") ;;
     esac
-  done < <("$VPY" -m pip config list 2>/dev/null)
+  done <<< "$out"
 }
 if [ "${SGLANG_CP_SETUP_INSTALLER:-uv}" = uv ]; then
-  if [ -z "$(missing "$UV_PIN")" ] || "$VPY" -m pip install -q --disable-pip-version-check "$UV_PIN" >/dev/null 2>&1; then
+  if { [ -z "$(missing "$UV_PIN")" ] || "$VPY" -m pip install -q --disable-pip-version-check "$UV_PIN" >/dev/null 2>&1; } \
+      && uv_args_from_pip_config; then
     UV="$VENV/bin/uv"
-    uv_args_from_pip_config
   else
-    echo "[setup] uv ($UV_PIN) could not be installed: installing with pip"
+    echo "[setup] uv ($UV_PIN) could not be installed, or pip's configuration not read: installing with pip"
   fi
 fi
 
