@@ -19,7 +19,8 @@ policy, through the same harness as ``bench_server_ttft.py`` (``benchmark.suppor
 Recorded per tier and phase (``peer_report.py``): requests/s, TTFT p50/p90/p99, tokens served from
 device/host/storage, hit ratio against the ideal and where the rest went (in flight / lost), bytes on
 disk (du), CPU seconds of the server's process tree and of the side services, output ids against the
-first tier's. A tier whose package is missing keeps its row with the exact import error and what it
+first tier's, and the server's storage counters (``/metrics``: written, dropped, found, loaded, found but
+not loaded) over the phase. A tier whose package is missing keeps its row with the exact import error and what it
 would take.
 
     python -m benchmark.hicache.bench_peers run --model small --workload trace --trace conversation_trace.jsonl \\
@@ -288,19 +289,40 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
     return rows, time.monotonic() - t0
 
 
+def storage_counters(srv):
+    """The server's storage counters (``peer_report.STORAGE_COUNTERS``, summed over ranks) from its
+    ``/metrics``, or None when it cannot be read (the row then says nothing, rather than zeros)."""
+    try:
+        got = srv.metrics(timeout_s=10)
+    except (OSError, ValueError):
+        return None
+    return {name: got.get(name, 0.0) for name in peer_report.STORAGE_COUNTERS}
+
+
+def counter_deltas(before, after):
+    return None if before is None or after is None else {k: after[k] - before[k] for k in after}
+
+
+COUNTER_SETTLE_S = 2.0  # our L3 counters reach /metrics from a 1 s publisher thread
+
+
 def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args) -> dict:
     pids = [srv.proc.pid]
     spids = [s.proc.pid for s in services]
     cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
+    counters0 = storage_counters(srv)
     rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
     cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)
+    time.sleep(COUNTER_SETTLE_S)
+    counters = counter_deltas(counters0, storage_counters(srv))
     ok = [r for r in rows if not r.get("error")]
     served = {k: sum(r[k] for r in ok) for k in ("storage", "host", "device")}
     log(f"[{tier.name}] {len(ok)}/{len(rows)} answered in {wall:.1f} s; tokens served from "
         + ", ".join(f"{k} {v:,}" for k, v in served.items()))
     return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "du": du_bytes(tier.storage_dirs),
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
-            "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0}
+            "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,
+            "storage_counters": counters}
 
 
 def server_env(tier: peer_tiers.Tier, args, base: dict) -> dict:

@@ -8,7 +8,8 @@ the ideal (``peer_workloads.ideal_hits``), bytes on disk (du of the tier's stora
 phase), CPU seconds of the server's process tree and of the tier's side services, and output ids against
 the reference tier (the first tier, in run order, with the phase): requests whose ids differ, of those
 compared. With ``kv_sensitive`` the run also counts first tokens that are the prompt's most frequent
-token (the shaped model's answer when the prefix KV is right).
+token (the shaped model's answer when the prefix KV is right). Below the table, the deltas of each
+server's storage counters over the phase (``STORAGE_COUNTERS``, read from ``/metrics``).
 
 Where the hits went (``shortfall``), when the saved prompts carry their block ids: of each answered
 request's ideal, the tokens *in flight* (ideal, but the prompt holding them had not answered when this
@@ -62,6 +63,39 @@ def first_storage_hit_s(rows: list):
     """Seconds from the phase's first send to the end of the first request served partly from storage."""
     hits = [r["sent_s"] + r["latency_s"] for r in _ok(rows) if r.get("storage")]
     return min(hits) if hits else None
+
+
+# Counters the run reads from each server's /metrics (--enable-metrics) before and after a phase; the
+# report prints their deltas. Upstream's HiCache controller keeps the token counters for every storage
+# backend alike, so they say per tier where storage tokens went: written, dropped before they reached
+# storage, found by the hit query, loaded, found but not loaded (declined, timed out, no host memory),
+# deferred. Ours add pages written and reclaimed by L3's GC, and failed writes.
+STORAGE_COUNTERS = {
+    "sglang:backuped_tokens_total": "backed up",
+    "sglang:hicache_backup_dropped_tokens_total": "backup dropped",
+    "sglang:storage_prefetch_hit_tokens_total": "storage hit (query)",
+    "sglang:prefetched_tokens_total": "prefetched",
+    "sglang:storage_prefetch_unfulfilled_tokens_total": "hit, not loaded",
+    "sglang:storage_prefetch_deferred_tokens_total": "deferred",
+    "sglang:cp_l3_spill_pages_total": "L3 pages written",
+    "sglang:cp_l3_gc_reclaimed_total": "L3 pages reclaimed",
+    "sglang:cp_l3_write_errors_total": "L3 write errors",
+}
+
+
+def counters_table(result: dict) -> str:
+    """Per tier and phase, the deltas of ``STORAGE_COUNTERS`` ('' when no phase has them); a counter no
+    tier moved is left out."""
+    rows = [(label(t), phase, ph["storage_counters"]) for t in result["tiers"]
+            for phase, ph in (t.get("phases") or {}).items() if ph.get("storage_counters")]
+    names = [n for n in STORAGE_COUNTERS if any(c.get(n) for _, _, c in rows)]
+    if not rows or not names:
+        return ""
+    head = ["tier", "phase"] + [STORAGE_COUNTERS[n] for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for tier, phase, c in rows:
+        lines.append("| " + " | ".join([tier, phase] + [f"{c.get(n, 0):,.0f}" for n in names]) + " |")
+    return "\n".join(lines)
 
 
 # upstream's default prefetch_threshold (HiCacheController; no tier here sets it): a storage hit shorter
@@ -178,6 +212,11 @@ def markdown(result: dict, rows: list) -> str:
                   "prefetch); in parentheses, the part lost by requests that each lost fewer than "
                   f"{PREFETCH_THRESHOLD} tokens (upstream's default prefetch_threshold: a storage hit that short is "
                   "not fetched). Ideal - hit ratio is at most (in flight + lost) / prompt tokens.", ""]
+    counters = counters_table(result)
+    if counters:
+        parts += ["Storage counters from each server's `/metrics` (deltas over the phase; tokens unless named "
+                  "pages; upstream's HiCache controller counts the same for every storage backend):", "",
+                  counters, ""]
     if len(meta.get("runs") or ()) > 1:
         parts += [f"Tiers measured in {len(meta['runs'])} consecutive runs at the same code and settings "
                   f"(started {', '.join(str(x) for x in meta['runs'])}).", ""]

@@ -563,3 +563,56 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
+    """The run reads upstream's (and our) storage counters from a real HTTP /metrics in Prometheus text,
+    summed over ranks, None when the server does not answer; the report tables their deltas per tier
+    and phase, leaving out counters no tier moved."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    text = {"body": ""}
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = text["body"].encode()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    srv = bench.harness.ServerProcess("unused", port=httpd.server_address[1])
+    try:
+        text["body"] = ('# TYPE sglang:backuped_tokens_total counter\n'
+                        'sglang:backuped_tokens_total{tp_rank="0"} 128.0\n'
+                        'sglang:backuped_tokens_total{tp_rank="1"} 64.0\n'
+                        'sglang:backuped_tokens_created{tp_rank="0"} 1.7e9\n'
+                        'sglang:cp_l3_spill_pages_total{cp_rank="0",pp_rank="0",tp_rank="0"} 3.0\n')
+        before = bench.storage_counters(srv)
+        text["body"] += 'sglang:prefetched_tokens_total{tp_rank="0"} 256.0\n'
+        text["body"] = text["body"].replace("} 64.0", "} 96.0")
+        after = bench.storage_counters(srv)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert before["sglang:backuped_tokens_total"] == 192 and before["sglang:cp_l3_spill_pages_total"] == 3
+    assert set(before) == set(report.STORAGE_COUNTERS) and before["sglang:prefetched_tokens_total"] == 0
+    delta = bench.counter_deltas(before, after)
+    assert delta["sglang:backuped_tokens_total"] == 32 and delta["sglang:prefetched_tokens_total"] == 256
+    assert bench.storage_counters(srv) is None  # nobody answers now
+    assert bench.counter_deltas(before, None) is None
+
+    res = synthetic_result()
+    res["tiers"][1]["phases"]["restart"]["storage_counters"] = delta
+    res["tiers"][1]["phases"]["replay"]["storage_counters"] = None  # /metrics did not answer: no row
+    table = report.counters_table(res).splitlines()
+    assert table[0] == "| tier | phase | backed up | prefetched |"  # counters nobody moved are left out
+    assert table[2:] == ["| cp-l3-python | restart | 32 | 256 |"]
+    assert "Storage counters from each server's `/metrics`" in report.markdown(res, report.summarize(res))
+    assert report.counters_table(synthetic_result()) == ""
