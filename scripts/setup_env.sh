@@ -90,11 +90,10 @@ step() {  # step LABEL PIP_ARGS...; requirements = args not starting with '-'
   local s=$SECONDS
   echo "[setup] $label: installing${UV:+ (uv)}"
   # unsafe-best-match: like pip, take the best match of a pin from every index, not the first index's.
-  if [ -n "$UV" ] && ! "$UV" pip install -q --python "$VPY" --no-compile --index-strategy unsafe-best-match \
-      "${UV_ARGS[@]}" "$@"; then
-    echo "[setup] $label: uv failed (above): installing with pip"
+  if [ -z "$UV" ]; then
     pip_install "$@"
-  elif [ -z "$UV" ]; then
+  elif ! "$UV" pip install -q --python "$VPY" --no-compile --index-strategy unsafe-best-match "${UV_ARGS[@]}" "$@"; then
+    echo "[setup] $label: uv failed (above): installing with pip"
     pip_install "$@"
   fi
   [ -z "$(missing "${reqs[@]}")" ] || { echo "[setup] $label: FAILED to install: $(missing "${reqs[@]}")"; exit 1; }

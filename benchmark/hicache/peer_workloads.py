@@ -336,11 +336,10 @@ def block_numbers(prompts: list) -> list:
 def distinct_tokens(prompts: list, block_tokens: int) -> int:
     """Tokens of KV the workload's distinct blocks hold (its working set): each block at the most of
     it any prompt covers."""
-    cover: dict = {}
+    held = _Held(block_tokens, PAGE)
     for p in prompts:
-        for j, b in enumerate(p.blocks):
-            cover[b] = max(cover.get(b, 0), min(block_tokens, p.tokens - j * block_tokens))
-    return sum(cover.values())
+        held.add(p)
+    return sum(held.tokens.values())
 
 
 # ---- long-document storm --------------------------------------------------------------------------

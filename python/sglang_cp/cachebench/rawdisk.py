@@ -57,41 +57,40 @@ def reread(raw: dict) -> dict:
     return dict(raw, read_gbps_passes=[raw["read_gbps"], later], read_gbps=max(raw["read_gbps"], later))
 
 
+def discard(raw: dict) -> None:
+    """Delete the probe file ``measure(..., keep=True)`` kept, if ``reread`` has not (a failed run)."""
+    path = raw.pop("path", None)
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def measure(directory: str, nbytes: int, threads: int = 4, read_block: int = BLOCK, keep: bool = False) -> dict:
     if read_block % BLOCK:
         raise ValueError(f"read_block: {read_block} is not a multiple of {BLOCK}")
     per = read_block // BLOCK
-    n = max(per, nbytes // read_block * per)  # whole read requests
+    n = max(per, nbytes // read_block * per)  # 1 MiB writes, making whole read requests
     path = os.path.join(directory, f".cachebench-raw-{os.getpid()}")
-    bufs = [aligned_buffer(read_block, populate=True) for _ in range(threads)]
-    for i, b in enumerate(bufs):
-        b.write(os.urandom(read_block))  # incompressible, and not a zero page the device could skip
+    bufs = [aligned_buffer(BLOCK, populate=True) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(BLOCK))  # incompressible, and not a zero page the device could skip
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, n * BLOCK)
-
-        def run(fn, count):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as ex:
-                done = list(ex.map(fn, range(count)))
-            if sum(done) != n * BLOCK:
-                raise OSError(f"raw disk probe: short I/O ({sum(done)}/{n * BLOCK} B) in {directory}")
-            return time.perf_counter() - t0
-
-        def write(i):
-            return os.pwritev(fd, [memoryview(bufs[i % threads])[:BLOCK]], i * BLOCK)
-
-        def read(i):
-            return os.preadv(fd, [bufs[i % threads]], i * read_block)
-
-        t_w = run(write, n)
         t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            done = sum(ex.map(lambda i: os.pwritev(fd, [bufs[i % threads]], i * BLOCK), range(n)))
+        if done != n * BLOCK:
+            raise OSError(f"raw disk probe: short write ({done}/{n * BLOCK} B) in {directory}")
         os.fdatasync(fd)
-        t_w += time.perf_counter() - t0
-        t_r = run(read, n // per)
+        t_w = time.perf_counter() - t0
+        t_r = _read_pass(fd, n // per, threads, read_block)
     finally:
         os.close(fd)
         if not keep:
             os.unlink(path)
-    return {**({"path": path} if keep else {}), "bytes": n * BLOCK, "write_gbps": n * BLOCK / t_w / 1e9, "read_gbps": n * BLOCK / t_r / 1e9,
-            "block_bytes": BLOCK, "read_block_bytes": read_block, "threads": threads}
+    return {**({"path": path} if keep else {}), "bytes": n * BLOCK, "write_gbps": n * BLOCK / t_w / 1e9,
+            "read_gbps": n * BLOCK / t_r / 1e9, "block_bytes": BLOCK, "read_block_bytes": read_block,
+            "threads": threads}

@@ -180,8 +180,9 @@ def run(ns) -> int:
                   + (f" (reused as it is, cold start '{ns.cp_l3_cold_start}')" if reuse else ""), soft_wrap=True)
 
     logs = os.path.join(os.path.abspath(ns.out_dir), "rank{rank}.log")
+    l3 = load_l3_config(cfg)
     if ns.soak is not None:  # no raw-disk probe: the soak checks invariants, it does not rate the disk
-        info.update(l3_capacity_gb=load_l3_config(cfg).disks[0].capacity_bytes / 1e9)
+        info.update(l3_capacity_gb=l3.disks[0].capacity_bytes / 1e9)
         for r in range(ns.cp_size):
             open(logs.format(rank=r), "w").close()
         console.print(f"rank logs: {rel(logs.format(rank='N'))}; L3 capacity {info['l3_capacity_gb']} GB "
@@ -190,7 +191,7 @@ def run(ns) -> int:
     raw_bytes = (ns.raw_mb or min(512, max(64, int(working * page_bytes / ns.cp_size / 1e6)))) * 10**6
     with console.status("measuring the raw disk (O_DIRECT, same directory)"):
         # As the ranks do: every rank's io.threads requests in flight, reads of the store's coalesced size.
-        raw = rawdisk.measure(disk_dir, raw_bytes, threads=ns.cp_size * load_l3_config(cfg).io.threads,
+        raw = rawdisk.measure(disk_dir, raw_bytes, threads=ns.cp_size * l3.io.threads,
                               read_block=READ_IO_BYTES, keep=True)
     console.print(f"raw disk: write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
                   f"({raw['bytes'] / 1e6:.0f} MB, O_DIRECT, {raw['block_bytes'] >> 20} MiB writes / "
@@ -202,12 +203,13 @@ def run(ns) -> int:
     t0 = time.time()
     try:
         first, second = _run_both(ns, console, cfg, phases, requests, l2_pages, layers, host_pages, sidecars, logs)
+        raw = rawdisk.reread(raw)  # the second read pass, then the probe file deleted
     except (RankDied, TimeoutError) as e:
         console.print(f"[bold red]cachebench: {escape(str(e))}[/] (rank logs: {escape(rel(logs.format(rank='N')))})",
                       soft_wrap=True)
         return 1
     finally:
-        raw = rawdisk.reread(raw)  # the second read pass, and the probe file deleted (failed runs too)
+        rawdisk.discard(raw)  # a failed run's probe file (nothing left after a reread)
     console.print(f"raw disk read again after the phases: {raw['read_gbps_passes'][1]:.2f} GB/s; the table's raw "
                   f"read is the faster pass", soft_wrap=True)
     wall = time.time() - t0
