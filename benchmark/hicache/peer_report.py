@@ -291,6 +291,9 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
                     for n in names]
             ax.bar(range(len(names)), vals, 0.6, bottom=bottom, label=level.replace("_", " "), **style.get(level, {}))
             bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, n in enumerate(names):
+            if n not in by:  # e.g. a tier without storage: its restarted server would be the replay's fresh one
+                ax.text(i, 0.02, f"no {phase} phase", ha="center", va="bottom", fontsize=8, rotation=90)
         ideal = (result.get("ideal") or {}).get(phase, {}).get("token_ratio")
         if ideal is not None:
             ax.axhline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.3f}")
