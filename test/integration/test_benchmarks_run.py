@@ -70,8 +70,16 @@ def test_bench_cp_l3_smoke(disk_tmp):
     assert rp["restore_wait"]["first"] <= rp["store_read"]["first"] <= rp["store_read"]["last"] <= rp["restore_wait"]["last"], rp
     assert rp["hit_query"]["last"] <= rp["reads_started"]["first"] and rp["prefetch_done"]["last"] >= rp["restore_wait"]["last"], rp
     assert "Where each rank's cold prefetch time goes" in proc.stdout
+    # every row of ours and of raw reports its read CPU per GB, and each row is printed as it lands, with
+    # its read against its raw row and the split into the store's reads and the rest of the prefetch
+    assert all(s["read_cpu_s_per_gb"][0] > 0 for s in rows[1:]), rows
+    assert "read CPU s/GB" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("row done: ours, CP=2 sharded"))
+    assert re.search(r"node read [0-9.]+ GB/s \([0-9.]+x / [0-9.]+x raw\)", line), line
+    assert re.search(r"inside the store's reads [0-9.]+ GB/s per rank, prefetch outside them -?[0-9.]+ ms", line), line
 
 
+@pytest.mark.slow  # the options it adds run in other CI tests: the operation ack, native reads
 def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tmp):
     """--no-file drops upstream's file row (its columns print '-'); --backup-ack takes a list, here the
     per-operation ack through upstream's backup thread; --read-engine native restores through the C engine
