@@ -147,8 +147,40 @@ class PhaseProbes:
         return out
 
 
+class BusyScheduler:
+    """``--busy-scheduler``: one Python thread per rank that runs bytecode without pause during the timed
+    prefetch, as a GPU server's scheduler thread does while a request waits for its prefetch (its event
+    loop polls without sleeping). CPython hands the GIL from a running thread to a woken one only at its
+    switch interval (``sys.getswitchinterval()``, 5 ms by default), so each of upstream's thread hand-offs
+    on the restore path can wait that long; ``switch_ms`` sets the interval for the run."""
+
+    def __init__(self, switch_ms=None):
+        import threading
+
+        self.switch_ms, self._stop, self._thread = switch_ms, threading.Event(), None
+        self._old = sys.getswitchinterval()
+
+    def __enter__(self):
+        import threading
+
+        if self.switch_ms is not None:
+            sys.setswitchinterval(self.switch_ms / 1e3)
+
+        def spin():
+            while not self._stop.is_set():
+                sum(range(64))
+        self._thread = threading.Thread(target=spin, name="busy-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._old)
+
+
 def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,
-               phases=False, profile=None):
+               phases=False, profile=None, busy=None):
     import contextlib
 
     # Under sharding a rank's host (and device) pool holds its own stripe; logical capacity is x world.
@@ -219,9 +251,10 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             r.dist.barrier()
             k0 = counters()
             c1 = cpu_s()
-            t1 = time.perf_counter()
-            hit, completed, hi2 = r.prefetch(tokens, timeout=600)
-            t_read = time.perf_counter() - t1
+            with BusyScheduler(busy["switch_ms"]) if busy is not None else contextlib.nullcontext():
+                t1 = time.perf_counter()
+                hit, completed, hi2 = r.prefetch(tokens, timeout=600)
+                t_read = time.perf_counter() - t1
             cpu_read = cpu_s() - c1
             k1 = counters()
         read_phase_report = probes.report(t1, t_read, end="prefetch_done") if probes is not None else None
@@ -394,8 +427,9 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         if args.profile:
             slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
             profile = os.path.join(os.path.abspath(args.profile), f"profile-{slug}-{pages}p-rep{rep}")
+        busy = {"switch_ms": args.switch_interval_ms} if args.busy_scheduler else None
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
-                                            args.phases, profile), timeout=1200)
+                                            args.phases, profile, busy), timeout=1200)
         if profile:
             print(f"{name}, rep {rep}, rank 0's cold read under py-spy ({profile}-rank0.txt):\n"
                   + pyspy_profile.format_summary(pyspy_profile.summarize(f"{profile}-rank0.txt")))
@@ -599,7 +633,15 @@ def main():
     p.add_argument("--phases", action="store_true",
                    help="record per-phase timestamps of each rank's backup and cold prefetch in our rows and print "
                         "where the time goes")
+    p.add_argument("--busy-scheduler", action="store_true",
+                   help="a Python thread per rank runs without pause during the timed prefetch, as a GPU server's "
+                        "scheduler loop does while a request waits (its CPU counts in the read CPU columns)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="with --busy-scheduler: CPython's switch interval during the timed prefetch (default: "
+                        "the interpreter's, 5 ms)")
     args = p.parse_args()
+    if args.switch_interval_ms is not None and not args.busy_scheduler:
+        p.error("--switch-interval-ms: only with --busy-scheduler")
     if args.profile:
         pyspy_profile.pyspy_binary()
         os.makedirs(args.profile, mode=0o700, exist_ok=True)
@@ -668,7 +710,9 @@ def main():
                 else:
                     s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack,
                                                    zc, engine))
-                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc, read_engine=engine)
+                s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc, read_engine=engine,
+                         busy_scheduler=({"switch_interval_ms": args.switch_interval_ms or sys.getswitchinterval() * 1e3}
+                                         if args.busy_scheduler and backend != "raw" else None))
                 summaries.append(s)
                 # each row as it lands (and the JSON so far): a run cut by a bound keeps what it measured
                 tqdm.write(_row_line(s, summaries))

@@ -83,12 +83,13 @@ def test_bench_cp_l3_smoke(disk_tmp):
 def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tmp):
     """--no-file drops upstream's file row (its columns print '-'); --backup-ack takes a list, here the
     per-operation ack through upstream's backup thread; --read-engine native restores through the C engine
-    behind upstream's prefetch thread (the script checks every byte); --cp picks the CP sizes."""
+    behind upstream's prefetch thread (the script checks every byte); --cp picks the CP sizes;
+    --busy-scheduler keeps a Python thread running through the timed prefetch, at a 1 ms switch interval."""
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--json", str(out), "--no-file", "--backup-ack", "durable,operation", "--cp", "1",
-         "--read-engine", "native"],
+         "--read-engine", "native", "--busy-scheduler", "--switch-interval-ms", "1"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
@@ -98,6 +99,7 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
                                          "ours, CP=1, ack operation, native reads"]
     assert [s["backup_ack"] for s in rows[1:]] == ["durable", "operation"]
     assert [s["read_engine"] for s in rows[1:]] == ["native", "native"]
+    assert [s["busy_scheduler"] for s in rows] == [None] + [{"switch_interval_ms": 1.0}] * 2
     assert all(s["read_cpu_s_per_gb"][0] > 0 for s in rows), rows  # every row reports its CPU per GB
     assert "read CPU s/GB" in proc.stdout
     # each row is printed as it lands, against its raw row: a run cut by a bound keeps what it measured
