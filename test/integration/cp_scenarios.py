@@ -250,3 +250,50 @@ def forced_phase_probe(rank, world, rendezvous, l3_config, n_pages, write_phase,
                 "equal": equal}
     finally:
         r.close()
+
+
+def host_bytes_probe(rank, world, rendezvous, l3_config, sharded, n_pages):
+    """Every page of this rank's stripe, in every payload (target KV and the sidecars): the bytes the
+    backend hands the store (``HostPageBytes``: a slice of one view of the pool's buffer) are the page's
+    own memory, as upstream's page tensor has it; and reading or writing a prefetch's pages runs no torch
+    ``view`` per page (each releases the GIL: docs_internal/figures.md, "A busy scheduler thread")."""
+    import torch
+
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sglang_cp.integration.cp_l3.backend import _as_bytes_view
+
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, sidecars=True)
+    try:
+        b = r.backend
+        hi = r.alloc_host(n_pages * PAGE, start_owner=0)
+        r.fill(hi, n_pages, salt=3)
+        mine = b._pages(hi, n_pages)
+        out = {"rank": rank, "pages": len(mine), "payloads": sorted(b.payloads), "same": 0, "fast": 0}
+        for payload in sorted(b.payloads):
+            pool = b._pool_for(payload)
+            for _i, row in mine:
+                page = pool.get_data_page(row, flat=False)
+                got, ref = b.host_bytes.of(payload, pool, page), _as_bytes_view(page)
+                out["fast"] += got is not None
+                out["same"] += got is not None and (got.__array_interface__["data"][0],
+                                                    got.nbytes) == (ref.__array_interface__["data"][0], ref.nbytes)
+        keys = get_storage_hash_str(tokens_for(n_pages, seed=5), None, page_size=PAGE)
+        views = {"n": 0}
+        plain = torch.Tensor.view
+
+        def counting(self, *a, **k):
+            views["n"] += 1
+            return plain(self, *a, **k)
+        torch.Tensor.view = counting
+        try:
+            for payload in sorted(b.payloads):
+                b._set(payload, keys, hi)
+                b._finish_get(b._start_get(payload, keys, hi))
+        finally:
+            torch.Tensor.view = plain
+        out["views"] = views["n"]
+        out["checked"], out["equal"] = r.check(hi, n_pages, salt=3)  # the read-back left every byte as filled
+        return out
+    finally:
+        r.close()

@@ -174,3 +174,19 @@ def test_one_ranks_damaged_slab_is_a_miss_on_both_ranks(l3cfg, phase):
     for r in again:
         assert r["equal"] == r["checked"], r  # what was served is the bytes written
     assert again[1]["stats"]["crc_errors"] >= 1 and again[0]["stats"]["crc_errors"] == 0, again
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_host_pages_move_as_slices_of_the_pool_buffer(l3cfg, sharded):
+    """The backend's page bytes are each page's own memory in every payload, and a prefetch's (or a
+    backup's) pages cost no torch view per page: without ``HostPageBytes`` the count is two per page
+    and payload."""
+    from cp_scenarios import host_bytes_probe
+
+    n_pages = 8
+    for r in run_ranks(2, host_bytes_probe, (l3cfg, sharded, n_pages)):
+        per_payload = r["pages"]
+        assert r["payloads"] == ["draft", "indexer", "kv"], r  # target KV and both sidecars
+        assert r["fast"] == r["same"] == per_payload * len(r["payloads"]), r
+        assert r["views"] == 0, r
+        assert r["equal"] == r["checked"] == per_payload, r

@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
+from sglang_cp.integration.cp_l3.host_views import HostPageBytes
 from sglang_cp.integration.cp_l3.identity import derive_identity, runtime_topology
 from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme
 from sglang_cp.integration.cp_l3.config import DTYPES_KEY
@@ -150,6 +151,7 @@ class CpL3Storage(HiCacheStorage):
         self.open_backup: Optional[OpenBackup] = None  # set by the backup hook around one operation
         self.query_ride = None  # prefetch.QueryRide: our vector on upstream's hit-count MIN, for one call
         self.placement_assert_groups = None  # gloo groups of --cp-hicache-placement-assert (debug)
+        self.host_bytes = HostPageBytes()  # host-pool pages as bytes, no GIL release per page (host_views)
         self._log = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ setup
@@ -287,7 +289,7 @@ class CpL3Storage(HiCacheStorage):
         if not mine:
             return results
         pool = self._pool_for(payload)
-        pages = [_as_bytes_view(pool.get_data_page(row, flat=True)) for _i, row in mine]
+        pages = [self._page_source(payload, pool, row) for _i, row in mine]
         store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
         # Returns per the L3 config's durability.backup_ack: "durable" (data -> fdatasync -> index
         # commit, the default) or "written" (in its slot and readable by this process; durable once
@@ -343,6 +345,15 @@ class CpL3Storage(HiCacheStorage):
             raise error
         return first_bad
 
+    def _page_source(self, payload: str, pool, row):
+        """A page's bytes to write: the host pool's own memory where the page is contiguous, else
+        upstream's flat copy of it (layer_first)."""
+        view = pool.get_data_page(row, flat=False)
+        if not view.is_contiguous():
+            return _as_bytes_view(pool.get_data_page(row, flat=True))
+        out = self.host_bytes.of(payload, pool, view)
+        return out if out is not None else _as_bytes_view(view)
+
     def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
         return self._finish_get(self._start_get(payload, keys, host_indices))
 
@@ -357,7 +368,8 @@ class CpL3Storage(HiCacheStorage):
         for _i, row in mine:
             view = pool.get_data_page(row, flat=False)
             if view.is_contiguous():
-                outs.append(_as_bytes_view(view))  # zero-copy: the store fills the host pool
+                out = self.host_bytes.of(payload, pool, view)
+                outs.append(out if out is not None else _as_bytes_view(view))  # zero-copy: into the host pool
                 copies.append(None)
             else:
                 bounce = torch.empty(view.numel(), dtype=view.dtype)
