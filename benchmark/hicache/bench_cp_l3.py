@@ -52,6 +52,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -155,14 +156,10 @@ class BusyScheduler:
     on the restore path can wait that long; ``switch_ms`` sets the interval for the run."""
 
     def __init__(self, switch_ms=None):
-        import threading
-
         self.switch_ms, self._stop, self._thread = switch_ms, threading.Event(), None
         self._old = sys.getswitchinterval()
 
     def __enter__(self):
-        import threading
-
         if self.switch_ms is not None:
             sys.setswitchinterval(self.switch_ms / 1e3)
 

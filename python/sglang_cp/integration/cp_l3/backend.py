@@ -346,12 +346,10 @@ class CpL3Storage(HiCacheStorage):
         return first_bad
 
     def _page_source(self, payload: str, pool, row):
-        """A page's bytes to write: the host pool's own memory where the page is contiguous, else
-        upstream's flat copy of it (layer_first)."""
+        """A page's bytes to write: the host pool's own memory where the page is contiguous, else a flat
+        copy of it (layer_first), in upstream's flat order."""
         view = pool.get_data_page(row, flat=False)
-        if not view.is_contiguous():
-            return _as_bytes_view(pool.get_data_page(row, flat=True))
-        out = self.host_bytes.of(payload, pool, view)
+        out = self.host_bytes.of(payload, pool, view) if view.is_contiguous() else None
         return out if out is not None else _as_bytes_view(view)
 
     def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
