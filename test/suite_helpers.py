@@ -32,38 +32,27 @@ def run_py(code: str, env_extra: dict | None = None, timeout: float = 300, check
     return proc
 
 
-# ---- fresh interpreters without re-importing torch each time ---------------------------------------
-# Every job of run_all / run_py is a real process running the real entry point (`python -m
-# sglang.launch_server`, `python -c ...`, a console script such as `sglang-cp` or `sglang`). Most of
-# such a process's life on a CPU box is importing the third-party stack under sglang (torch,
-# transformers, triton...: ~8 of its ~11 s), the same in every job. So jobs are forked from a
-# multiprocessing forkserver that imported those modules once (per pytest worker), and each child
-# then runs the entry point as the interpreter would: its own environment, argv, working directory and
-# stdout/stderr files, SystemExit and tracebacks turned into the exit status as Python does. sglang and
-# sglang_cp are never preloaded: the plugin is discovered, registered and configured in each job exactly
-# as in a fresh interpreter. The one difference a job could see: the PRELOAD modules are already in
-# sys.modules (no test asks). test/unit/test_suite_helpers.py runs jobs both ways and compares them;
-# SGLANG_CP_TEST_FRESH_INTERPRETERS=1 runs every job as a new interpreter.
-PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "transformers", "transformers.activations",
-           "triton", "numpy", "aiohttp", "requests", "httpx", "IPython")
-_ctx = None
-
-
-def _forkserver():
-    global _ctx
-    if _ctx is None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))
-        _ctx = ctx
-    return _ctx
-
+# ---- fresh interpreters without re-importing upstream each time ------------------------------------
+# Every job of run_job / run_all / run_py is a real process running the real entry point (`python -m
+# sglang.launch_server`, `python -c ...`, a script, a console script such as `sglang-cp` or `sglang`). Most of
+# such a process's life on a CPU box is importing upstream (sglang's launcher modules, torch, transformers,
+# triton...: ~10 of its ~15 s), the same in every job. So a job is forked from a zygote (scenario_zygote.py)
+# that imported those modules once (per pytest worker and environment), and the child then runs the entry
+# point as the interpreter would: its own environment, argv, working directory, sys.path[0] and
+# stdout/stderr files, SystemExit and tracebacks turned into the exit status as Python does. sglang_cp is
+# never imported there and upstream's load_plugins() never ran: each job discovers, registers and configures
+# the plugin exactly as a fresh interpreter. test/unit/test_suite_helpers.py runs jobs both ways and compares
+# them; test/unit/test_scenario_zygote.py checks the zygote; SGLANG_CP_TEST_FRESH_INTERPRETERS=1 runs every
+# job as a new interpreter.
 
 def _entry(argv: list):
-    """(kind, target, argv for sys.argv) of a job the forkserver can run, or None for a plain subprocess."""
+    """(kind, target, sys.argv of the job) of a job a zygote can run, or None for a plain subprocess: this
+    interpreter with -c CODE, -m MODULE or a script path, or a Python console script of this venv."""
     if argv and argv[0] == sys.executable and len(argv) >= 3 and argv[1] in ("-c", "-m"):
         return ("code", argv[2], ["-c", *argv[3:]]) if argv[1] == "-c" else ("module", argv[2], [argv[2], *argv[3:]])
+    if argv and argv[0] == sys.executable and len(argv) >= 2 and not argv[1].startswith("-") \
+            and os.path.isfile(argv[1]):
+        return ("path", argv[1], list(argv[1:]))
     if argv and os.path.dirname(argv[0]) == os.path.dirname(sys.executable) and os.path.isfile(argv[0]):
         with open(argv[0], "rb") as f:
             first = f.readline()
@@ -72,119 +61,56 @@ def _entry(argv: list):
     return None
 
 
-_base_path = None
-
-
-def _fresh_sys_path() -> list:
-    """sys.path of a new interpreter of this venv, without its first entry and without PYTHONPATH."""
-    global _base_path
-    if _base_path is None:
-        import json
-
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
-                             capture_output=True, text=True, env=env, check=True, timeout=60).stdout
-        _base_path = json.loads(out)[1:]
-    return list(_base_path)
-
-
-def _child(kind: str, target: str, argv: list, env: dict, cwd: str, out: str, err: str, base: list) -> None:
-    """In the forked process: become the interpreter that `argv` would have started, then exit."""
-    import atexit
-    import runpy
-    import threading
-    import traceback
-    import warnings
-
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    warnings.resetwarnings()
-    for opt in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
-        warnings._setoption(opt)  # what the interpreter does with PYTHONWARNINGS at startup
-    first = {"code": "", "module": os.getcwd(), "path": os.path.dirname(os.path.abspath(target))}[kind]
-    pythonpath = [os.path.abspath(x) for x in env.get("PYTHONPATH", "").split(os.pathsep) if x]
-    sys.path[:] = [first] + pythonpath + base
-    sys.argv = list(argv)
-    code = 0
-    sys.modules.pop("sitecustomize", None)  # site's startup step: the job's own sitecustomize, if its path has one
-    try:
-        import sitecustomize  # noqa: F401
-    except ImportError as e:
-        if e.name != "sitecustomize":
-            raise
-    try:
-        if kind == "module":
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        elif kind == "path":
-            runpy.run_path(target, run_name="__main__")
-        else:
-            exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit as e:  # as the interpreter: None -> 0, an int -> itself, anything else printed -> 1
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # the interpreter's report of an uncaught exception (a hook may own it)
-        code = 1
-    try:  # as the interpreter's finalization: wait for non-daemon threads, then run atexit handlers
-        threading._shutdown()
-        atexit._run_exitfuncs()
-    except BaseException:
-        traceback.print_exc()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code & 0xFF)
-
-
-def _run_forked(argv: list, entry: tuple, kw: dict) -> subprocess.CompletedProcess:
-    import tempfile
+def run_job(argv: list, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, **kw)``, forked from a zygote where ``argv`` is this
+    interpreter with -c / -m / a script, or a console script of this venv, and nothing else is asked of the
+    process (no stdin input, no other streams). A program that sets, before importing upstream, a variable
+    upstream reads at import (the zygote stops such a job loudly) says so: ``sets_env={name: value}`` (it
+    uses os.environ.setdefault: it then forks from a zygote that imported under those values, and must set
+    them), or ``fresh_interpreter=True`` (a new interpreter, always)."""
+    entry = _entry(argv)
+    sets = kw.pop("sets_env", None)
+    if kw.pop("fresh_interpreter", False) or os.environ.get("SGLANG_CP_TEST_FRESH_INTERPRETERS") == "1":
+        return _fresh(argv, kw, "asked for")
+    plain = set(kw) - {"capture_output", "text", "cwd", "timeout", "env", "check"}
+    if entry is None or plain:
+        return _fresh(argv, kw, "not a zygote job")
+    import scenario_zygote
 
     env = dict(kw.get("env") or os.environ)
-    with tempfile.TemporaryDirectory(prefix="sglang-cp-job-") as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        p = _forkserver().Process(target=_child, args=(*entry, env, kw.get("cwd") or os.getcwd(), out, err,
-                                                       _fresh_sys_path()))
-        p.start()
-        p.join(kw.get("timeout"))
-        if p.exitcode is None:
-            p.kill()
-            p.join(10)
-            raise subprocess.TimeoutExpired(argv, kw.get("timeout"))
-        with open(out, "rb") as f:
-            stdout = f.read()
-        with open(err, "rb") as f:
-            stderr = f.read()
+    zygote, why = scenario_zygote.zygote_for(scenario_zygote.importing_env(env, sets))
+    if zygote is None:
+        return _fresh(argv, kw, why)
+    try:
+        res = zygote.run(*entry, env, kw.get("cwd") or os.getcwd(), kw.get("timeout"), sets)
+    finally:
+        scenario_zygote.release(zygote)
+    if res[0] == "fresh":
+        return _fresh(argv, kw, res[1])
+    code, stdout, stderr = res
     if kw.get("text"):
         stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
-    return subprocess.CompletedProcess(argv, p.exitcode, stdout, stderr)  # a signal: -N, as subprocess says
-
-
-def run_job(argv: list, **kw) -> subprocess.CompletedProcess:
-    """``subprocess.run(argv, capture_output=True, **kw)``, forked from the preloaded forkserver where
-    ``argv`` is this interpreter with -c / -m or a console script of this venv and nothing else is asked
-    of the process (no stdin input)."""
-    entry = _entry(argv)
-    plain = set(kw) - {"capture_output", "text", "cwd", "timeout", "env", "check"}
-    if entry is None or plain or os.environ.get("SGLANG_CP_TEST_FRESH_INTERPRETERS") == "1":
-        return subprocess.run(argv, capture_output=True, **{k: v for k, v in kw.items() if k != "capture_output"})
-    proc = _run_forked(argv, entry, kw)
+    _log(argv, "forked", "")
+    proc = subprocess.CompletedProcess(argv, code, stdout, stderr)  # a signal: -N, as subprocess says
     if kw.get("check") and proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, argv, proc.stdout, proc.stderr)
     return proc
+
+
+def _fresh(argv, kw, why):
+    _log(argv, "fresh", why)
+    return subprocess.run(argv, capture_output=True, **{k: v for k, v in kw.items() if k != "capture_output"})
+
+
+def _log(argv, how, why):
+    """With SGLANG_CP_TEST_JOB_LOG=<file>: one line per job, how it ran and why (for tuning the suite)."""
+    path = os.environ.get("SGLANG_CP_TEST_JOB_LOG")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST"), "how": how, "why": why,
+                                "argv": [str(a)[:80] for a in argv[:4]]}) + "\n")
 
 
 def run_all(jobs: dict, workers: int | None = None, timeout: float = 300) -> dict:

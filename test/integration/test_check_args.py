@@ -19,6 +19,7 @@ import time
 import pytest
 
 from suite_helpers import REPO, run_all
+from sglang_cp.check_args import OFFLINE_ENV
 from sglang_cp.cli import write_demo_config
 
 BIN = os.path.join(os.path.dirname(sys.executable), "sglang-cp")
@@ -27,16 +28,20 @@ HUB_ID = "sglang-cp-test/not-a-real-model"
 
 
 def job(*argv, env_extra=None, drop=()):
+    """A check-args run as a run_all job. check-args sets OFFLINE_ENV (setdefault) before it imports
+    sglang: a job forked from the suite's zygote says so (suite_helpers.run_job's sets_env)."""
     env = dict(os.environ, COLUMNS="200", PYTHONWARNINGS="ignore")
     for k in ("SGLANG_CP_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", *drop):
         env.pop(k, None)
     env.update(env_extra or {})
-    return [BIN, "check-args", "--", *argv], {"env": env}
+    return [BIN, "check-args", "--", *argv], {"env": env, "sets_env": OFFLINE_ENV}
 
 
 def check_args(*argv, env_extra=None, drop=()):
-    """One run now, timed (the hub tests bound its wall time, so it runs alone)."""
+    """One run now, timed (the hub tests bound its wall time, so it runs alone), in a new interpreter: what
+    the hub tests prove is check-args' own offline setting at start-up."""
     cmd, kw = job(*argv, env_extra=env_extra, drop=drop)
+    kw.pop("sets_env")
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
     return p, time.monotonic() - t0

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from suite_helpers import run_all
+from sglang_cp.check_args import OFFLINE_ENV
 from sglang_cp.cli import write_demo_config
 
 BIN = os.path.join(os.path.dirname(sys.executable), "sglang-cp")
@@ -14,9 +15,13 @@ pytestmark = pytest.mark.xdist_group("hugepages")
 
 
 def cmd(*args):
+    """A `sglang-cp` run as a run_all job. check-args sets OFFLINE_ENV (setdefault) before it imports sglang
+    (suite_helpers.run_job's sets_env); demo imports sglang in its doctor step first, then sets them: a new
+    interpreter (a zygote's job may not change what upstream's imports read)."""
     env = dict(os.environ, COLUMNS="200", PYTHONWARNINGS="ignore")
     env.pop("SGLANG_CP_DISABLE", None)
-    return [BIN, *args], {"env": env}
+    how = {"check-args": {"sets_env": OFFLINE_ENV}, "demo": {"fresh_interpreter": True}}.get(args[0], {})
+    return [BIN, *args], {"env": env, **how}
 
 
 def run(*args):

@@ -11,6 +11,7 @@ import shlex
 
 import pytest
 
+from sglang_cp.check_args import OFFLINE_ENV
 from suite_helpers import REPO, py_job, run_all
 
 EXAMPLES = os.path.join(REPO, "examples")
@@ -43,11 +44,12 @@ def _l3_config(disk_tmp):
     return str(path)
 
 
+# As check-args: parse_launch_args first (it sets OFFLINE_ENV before anything imports sglang), then upstream.
 PARSE = """
 import json, sys
 from sglang_cp.cli import parse_launch_args
-from sglang.srt.arg_groups.overrides import resolved_view
 sa = parse_launch_args(json.loads(sys.argv[1] if len(sys.argv) > 1 else {argv!r}))
+from sglang.srt.arg_groups.overrides import resolved_view
 c = resolved_view(sa)
 keys = ("tp_size", "attn_cp_size", "enable_prefill_cp", "enable_kv_cache_sharding", "disaggregation_mode",
         "enable_hierarchical_cache", "hicache_storage_backend", "enable_cp_l3", "cp_l3_config",
@@ -57,7 +59,8 @@ print("RESULT " + json.dumps({{k: getattr(c, k, getattr(sa, k, None)) for k in k
 
 
 def _parse_job(argv):
-    return py_job(PARSE.format(argv=json.dumps(argv)))
+    cmd, kw = py_job(PARSE.format(argv=json.dumps(argv)))
+    return cmd, {**kw, "sets_env": OFFLINE_ENV}  # suite_helpers.run_job: parse_launch_args sets them first
 
 
 def _result(p):

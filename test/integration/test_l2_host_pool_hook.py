@@ -17,6 +17,7 @@ import pytest
 
 from sglang_cp.integration.l2 import host_pool as hook
 from sglang_cp.l2.transfer_split import SlabSplitter
+from suite_helpers import run_job
 
 NR = "/proc/sys/vm/nr_hugepages"
 PAGES = 40
@@ -137,8 +138,7 @@ def run_script(mount, flag):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("SGLANG_CP_DISABLE", None)
     env.pop("SGLANG_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mount, flag], capture_output=True, text=True,
-                          timeout=400, env=env)
+    proc = run_job([sys.executable, "-c", SCRIPT, mount, flag], text=True, timeout=400, env=env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(line[len("RESULT "):])

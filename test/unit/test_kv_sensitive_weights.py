@@ -33,7 +33,8 @@ PROBE = ("import sglang.srt.model_loader.loader as L, sglang.srt.speculative.bas
 def _probe_job(**env_extra):
     env = dict(os.environ, PYTHONWARNINGS="ignore", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, env.get("PYTHONPATH", "")])
-    return [sys.executable, "-c", PROBE], {"env": env}
+    # A new interpreter each: its start-up (sitecustomize, reading these variables) is what is checked.
+    return [sys.executable, "-c", PROBE], {"env": env, "fresh_interpreter": True}
 
 
 def test_hook_patches_upstream_only_when_asked():

@@ -14,41 +14,33 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import gloo_rendezvous
+from suite_helpers import run_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HIDDEN = 8
 
 
 def _run_ranks(world: int, cases: list[list[int]], rdv_dir) -> dict:
+    """One process per rank, all at once (suite_helpers.run_all: each a fresh interpreter of the rank script,
+    forked from the suite's zygote; gloo is initialised in the rank process only). A rank stuck in a
+    mismatched collective is killed at the timeout (hang guard)."""
     rendezvous = gloo_rendezvous(rdv_dir)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_cp_collective_rank.py"), str(r), str(world),
-             rendezvous, json.dumps(cases), str(HIDDEN)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for r in range(world)
-    ]
+    runs = run_all({r: ([sys.executable, os.path.join(HERE, "_cp_collective_rank.py"), str(r), str(world),
+                         rendezvous, json.dumps(cases), str(HIDDEN)], {"env": env}) for r in range(world)},
+                   workers=world, timeout=300)
     results = {}
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=300)  # hang guard: a mismatched collective never returns
-            assert p.returncode == 0, f"rc={p.returncode}\nstdout: {out[-2000:]}\nstderr: {err[-3000:]}"
-            line = [l for l in out.splitlines() if l.startswith("RANK_RESULT ")][-1]
-            r = json.loads(line.split(" ", 1)[1])
-            results[r["rank"]] = r
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for p in runs.values():
+        assert p.returncode == 0, f"rc={p.returncode}\nstdout: {p.stdout[-2000:]}\nstderr: {p.stderr[-3000:]}"
+        line = [l for l in p.stdout.splitlines() if l.startswith("RANK_RESULT ")][-1]
+        r = json.loads(line.split(" ", 1)[1])
+        results[r["rank"]] = r
     return results
 
 

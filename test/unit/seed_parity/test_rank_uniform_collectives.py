@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 from conftest import gloo_rendezvous
+from suite_helpers import run_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -24,26 +24,17 @@ def test_writing_check_enters_the_collective_on_every_rank_and_drains_the_min(tm
     # acks arriving per round on each rank: rank 1 lags, then catches up
     schedule = {0: [1, 0, 2, 0, 0], 1: [0, 0, 1, 2, 0]}
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_writing_check_rank.py"), str(r), "2",
-             rendezvous, json.dumps(schedule[r])],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for r in (0, 1)
-    ]
+    # both ranks at once (suite_helpers.run_all: fresh interpreters of the rank script, forked from the suite's
+    # zygote; gloo is initialised in the rank process only); the timeout is the hang guard only: a
+    # rank-divergent collective never returns
+    runs = run_all({r: ([sys.executable, os.path.join(HERE, "_writing_check_rank.py"), str(r), "2",
+                         rendezvous, json.dumps(schedule[r])], {"env": env}) for r in (0, 1)},
+                   workers=2, timeout=240)
     results = {}
-    try:
-        for p in procs:
-            # hang guard only: a rank-divergent collective never returns
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, f"rc={p.returncode}\nstdout: {out[-2000:]}\nstderr: {err[-3000:]}"
-            line = [l for l in out.splitlines() if l.startswith("RANK_RESULT ")][-1]
-            r = json.loads(line.split(" ", 1)[1])
-            results[r["rank"]] = r["drained"]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    for p in runs.values():
+        assert p.returncode == 0, f"rc={p.returncode}\nstdout: {p.stdout[-2000:]}\nstderr: {p.stderr[-3000:]}"
+        line = [l for l in p.stdout.splitlines() if l.startswith("RANK_RESULT ")][-1]
+        r = json.loads(line.split(" ", 1)[1])
+        results[r["rank"]] = r["drained"]
     # queue lengths after each arrival: r0 1,1,3,3,3 ; r1 0,0,1,3,3 -> MIN ready
     assert results[0] == results[1] == [0, 0, 1, 2, 0]
