@@ -495,11 +495,23 @@ def _shim() -> str | None:
     """getenv_trace.c built once per source version (None: no C compiler here)."""
     import hashlib
     import shutil
+    import stat
 
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "getenv_trace.c")
     with open(src, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    out = os.path.join(tempfile.gettempdir(), f"sglang-cp-getenv-trace-{os.getuid()}-{digest}.so")
+    # LD_PRELOADed into every zygote: kept in a directory only this user can write (never a name another user
+    # could plant in the shared temp directory), checked without following a link.
+    home = os.path.join(tempfile.gettempdir(), f"sglang-cp-test-{os.getuid()}")
+    try:
+        os.mkdir(home, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(home)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ZygoteError(f"{home}: not a private directory of this user (mode 0700, owned by uid {os.getuid()}); "
+                          "remove it")
+    out = os.path.join(home, f"getenv-trace-{digest}.so")
     if os.path.exists(out):
         return out
     cc = shutil.which(os.environ.get("CC", "cc").split()[0]) or shutil.which("gcc")
