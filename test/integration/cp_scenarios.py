@@ -261,7 +261,7 @@ def host_bytes_probe(rank, world, rendezvous, l3_config, sharded, n_pages):
 
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sglang_cp.integration.cp_l3.backend import _as_bytes_view
+    from sglang_cp.integration.cp_l3.host_views import as_bytes_view as _as_bytes_view
 
     r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, sidecars=True)
     try:

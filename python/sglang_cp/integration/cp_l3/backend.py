@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
-from sglang_cp.integration.cp_l3.host_views import HostPageBytes
+from sglang_cp.integration.cp_l3.host_views import HostPageBytes, as_bytes_view
 from sglang_cp.integration.cp_l3.identity import derive_identity, runtime_topology
 from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme
 from sglang_cp.integration.cp_l3.config import DTYPES_KEY
@@ -349,8 +349,7 @@ class CpL3Storage(HiCacheStorage):
         """A page's bytes to write: the host pool's own memory where the page is contiguous, else a flat
         copy of it (layer_first), in upstream's flat order."""
         view = pool.get_data_page(row, flat=False)
-        out = self.host_bytes.of(payload, pool, view) if view.is_contiguous() else None
-        return out if out is not None else _as_bytes_view(view)
+        return self.host_bytes.page(payload, pool, view) if view.is_contiguous() else as_bytes_view(view)
 
     def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
         return self._finish_get(self._start_get(payload, keys, host_indices))
@@ -366,12 +365,11 @@ class CpL3Storage(HiCacheStorage):
         for _i, row in mine:
             view = pool.get_data_page(row, flat=False)
             if view.is_contiguous():
-                out = self.host_bytes.of(payload, pool, view)
-                outs.append(out if out is not None else _as_bytes_view(view))  # zero-copy: into the host pool
+                outs.append(self.host_bytes.page(payload, pool, view))  # zero-copy: into the host pool
                 copies.append(None)
             else:
                 bounce = torch.empty(view.numel(), dtype=view.dtype)
-                outs.append(_as_bytes_view(bounce))
+                outs.append(as_bytes_view(bounce))
                 copies.append(bounce)
         store_keys = self.keys.keys([keys[i] for i, _ in mine], self._owner_key_rank())
         pending = self.store.start_read_pages(payload, store_keys, outs, timeout=READ_TIMEOUT_S)
@@ -544,10 +542,3 @@ def _legacy_api(name: str) -> NotImplementedError:
 
 def pool_key(name) -> str:
     return name.value if isinstance(name, PoolName) else str(name)
-
-
-def _as_bytes_view(t: torch.Tensor):
-    """A writable uint8 numpy view of a contiguous CPU tensor (no copy)."""
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.view(-1).view(torch.uint8).numpy()

@@ -54,6 +54,18 @@ class HostPageBytes:
         offset = start - buf.start
         return buf.flat[offset: offset + n]
 
+    def page(self, payload: str, pool, page: torch.Tensor):
+        """The bytes of a contiguous page: its slice of the pool buffer, else a view of the page itself."""
+        out = self.of(payload, pool, page)
+        return out if out is not None else as_bytes_view(page)
+
+
+def as_bytes_view(t: torch.Tensor):
+    """A writable uint8 numpy view of a CPU tensor: no copy where it is contiguous (a flat copy otherwise)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(-1).view(torch.uint8).numpy()
+
 
 def _find_buffer(pool, start: int, n: int) -> Optional[HostBuffer]:
     for value in vars(pool).values():
@@ -61,7 +73,7 @@ def _find_buffer(pool, start: int, n: int) -> Optional[HostBuffer]:
             base, size = value.data_ptr(), value.numel() * value.element_size()
             if base <= start and start + n <= base + size:
                 try:
-                    flat = value.view(-1).view(torch.uint8).numpy()
+                    flat = as_bytes_view(value)
                 except (RuntimeError, TypeError):  # a tensor numpy cannot view as bytes: the per-page path
                     return None
                 return HostBuffer(value, base, size, flat)
