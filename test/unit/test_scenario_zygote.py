@@ -163,3 +163,20 @@ def test_a_hung_job_is_killed_and_reported(mods):
         assert run(z, "print('next')", env, where) == (0, b"next\n", b"")  # the zygote serves on
     finally:
         z.close()
+
+
+@pytest.mark.parametrize("plant", ["open mode", "a link"])
+def test_the_getenv_tracer_is_built_only_in_a_private_directory(tmp_path, monkeypatch, plant):
+    """Every zygote LD_PRELOADs the tracer: a directory under the shared temp directory that another user could
+    have made (group/other-writable) or pointed elsewhere (a link) is refused, never built into or loaded from."""
+    home = tmp_path / f"sglang-cp-test-{os.getuid()}"
+    if plant == "open mode":
+        home.mkdir()
+        home.chmod(0o777)
+    else:
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        home.symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(scenario_zygote.tempfile, "gettempdir", lambda: str(tmp_path))
+    with pytest.raises(ZygoteError, match="not a private directory of this user"):
+        scenario_zygote._shim()
+    assert not list(tmp_path.rglob("*.so"))  # nothing built there either
