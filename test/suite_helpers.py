@@ -127,3 +127,34 @@ def run_all(jobs: dict, workers: int | None = None, timeout: float = 300) -> dic
     with ThreadPoolExecutor(workers or os.cpu_count() or 1) as ex:
         futs = {name: ex.submit(one, job) for name, job in jobs.items()}
         return {name: f.result() for name, f in futs.items()}
+
+
+def gil_releases_seen(fn, *args):
+    """(fn(*args), how often a second thread ran meanwhile). That thread counts while it holds the GIL,
+    and the switch interval is raised so far that within a short call only a release of the GIL lets it
+    in: 0 means ``fn`` kept the GIL throughout. Why it matters: beside a server's busy scheduler thread,
+    each release costs the releasing thread up to CPython's 5 ms switch interval."""
+    import threading
+    import time
+
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(2.0)
+    spinner = threading.Thread(target=spin, name="gil-probe", daemon=True)
+    try:
+        spinner.start()
+        while count[0] == 0:
+            time.sleep(0.001)  # the spinner runs; this thread is back once the spinner was made to yield
+        before = count[0]
+        result = fn(*args)
+        ran = count[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        spinner.join(timeout=10)
+    return result, ran

@@ -293,6 +293,12 @@ def host_bytes_probe(rank, world, rendezvous, l3_config, sharded, n_pages):
         finally:
             torch.Tensor.view = plain
         out["views"] = views["n"]
+        # Starting a whole prefetch's reads again (rows located, pages durable) keeps the GIL throughout:
+        # page starts, this rank's stripe, each page's bytes, the store's slot lookups and hand-off.
+        from suite_helpers import gil_releases_seen
+        reads, out["gil_released"] = gil_releases_seen(
+            lambda: [b._start_get(payload, keys, hi) for payload in sorted(b.payloads)])
+        out["restored"] = [b._finish_get(read) for read in reads]
         out["checked"], out["equal"] = r.check(hi, n_pages, salt=3)  # the read-back left every byte as filled
         return out
     finally:

@@ -181,7 +181,9 @@ def test_one_ranks_damaged_slab_is_a_miss_on_both_ranks(l3cfg, phase):
 def test_host_pages_move_as_slices_of_the_pool_buffer(l3cfg):
     """The backend's page bytes are each page's own memory in every payload, and a prefetch's (or a
     backup's) pages cost no torch view per page: without ``HostPageBytes`` the count is two per page
-    and payload."""
+    and payload. Starting a prefetch's reads over located rows keeps the GIL throughout (each release
+    waits up to 5 ms beside a busy scheduler thread): the page starts, the stripe, the page bytes (a
+    freed page tensor releases it), the store's slot lookups."""
     from cp_scenarios import host_bytes_probe
 
     n_pages = 8
@@ -191,4 +193,6 @@ def test_host_pages_move_as_slices_of_the_pool_buffer(l3cfg):
         assert r["payloads"] == ["draft", "indexer", "kv"], r  # target KV and both sidecars
         assert r["fast"] == r["same"] == per_payload * len(r["payloads"]), r
         assert r["views"] == 0, r
+        assert r["gil_released"] == 0, r
+        assert r["restored"] == [[True] * n_pages] * len(r["payloads"]), r
         assert r["equal"] == r["checked"] == per_payload, r

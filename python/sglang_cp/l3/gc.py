@@ -15,7 +15,8 @@ from .format.index import IndexEntry, ikey_digest
 
 
 class PageLRU:
-    """index key -> IndexEntry, coldest first. Stamps come from last_access (ns).
+    """index key -> IndexEntry, coldest first. Stamps come from last_access (ns). Changed only by the
+    write thread; readers look slots up with get() (state.py: what relies on the GIL).
     It keeps its pool's bit in a HeldDigests (shared by the store's pools, see attach) in step: set
     after a key enters the dict, cleared after it leaves (one pool = one rank and payload, so a digest
     names one of its keys)."""

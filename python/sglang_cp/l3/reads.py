@@ -1,7 +1,7 @@
 """The store's read path: submit, land, verify, deliver.
 
-submit (caller thread): look the keys up in the index (and, under backup_ack = "written", among the
-pages written but not yet committed), group consecutive slots into coalesced reads and hand each to a
+submit (caller thread): look the keys up among this rank's durable pages (and, under backup_ack =
+"written", among the pages written but not yet committed), group consecutive slots into coalesced reads and hand each to a
 read I/O thread. land (I/O thread): one preadv of whole slot extents into a landing area the store
 owns; a failed or short run is read again page by page. verify + deliver (finisher thread): header
 identity and payload CRC32C per page, then a copy into the caller's buffer, unless the caller gave up.
@@ -12,8 +12,17 @@ op's gate, which OpState closes at the caller's bound; "uring" (native/uring.py)
 run's reads in flight together on an io_uring. The index lookup, permits, results and bad-page handling
 here are shared by all engines.
 
-What it uses of the shared state (StoreState), and so what a replacement must keep doing: `index` and
-`written_entries` to find pages; `pool`, `digest`, `new_op`, `finish`, `count`/`fault`, `touch` + `now`
+Where a page's slot comes from: its pool's LRU (PageLRU), the write thread's in-memory copy of this
+rank's index entries. Only this process writes this rank's entries; the write thread adds an entry to
+the LRU after its index commit and before the page leaves `inflight` (so before its durable ack), and
+removes it after its index delete and before its slot is freed. So a slot found there holds the page,
+or holds it until a reclaim that began after the lookup frees it; a read that then meets another page's
+bytes fails the header identity check (key digest, slot, rank, payload) or the CRC: a miss, never wrong
+bytes, as when the slot came from an LMDB snapshot. Reading the LRU from this thread relies on the GIL
+(state.py's list).
+
+What it uses of the shared state (StoreState), and so what a replacement must keep doing: the pools'
+LRUs, `dropping` and `written_entries` to find pages; `pool`, `digest`, `new_op`, `finish`, `count`/`fault`, `touch` + `now`
 (a hit bumps the LRU), `submit_io`, `set_fatal`; under `lock`, `reads_inflight` and the reload counters;
 a bad page is added to `dropping`, its exact index entry deleted, and a `Drop` posted to the write
 thread, which frees its slot (index delete before slot free). close() calls shut() then shutdown().
@@ -108,16 +117,20 @@ class ReadPath:
         ikeys = [index_key(pool.tag, d, st.rank) for d in digests]
         with st.lock:
             st.counters["reload_pages"] += len(keys)
-            # Read-your-writes: look at pending pages before the index, so a page that commits in between
-            # is still found (its slot is the same either way).
+            # Read-your-writes: look at pending pages before the LRU, so a page that commits in between
+            # is still found (its slot is the same either way; the write thread adds a page to the LRU
+            # before it leaves `inflight`).
             pending = st.written_entries(ikeys) if st.ack_at_write and st.inflight else None
-        try:
-            entries = st.index.get_many(ikeys)
-        except IndexUnavailable as e:
-            st.fault("index_errors", "index", "L3 index read failed (%s); reads are misses", e)
-            entries = [None] * len(keys)
+            dropping = [k in st.dropping for k in ikeys] if st.dropping else None
+        # Slots come from the pool's LRU (the module docstring says why that is this rank's index), not
+        # from LMDB: py-lmdb releases the GIL for every get, and beside a busy scheduler thread each
+        # release waits up to CPython's 5 ms switch interval (116 ms for 512 keys, 0.1 ms without it).
+        held = pool.lru.get
+        entries = [held(k) for k in ikeys]
         if pending:
             entries = [e if e is not None else pending.get(i) for i, e in enumerate(entries)]
+        if dropping:  # a bad page being dropped: its index entry is deleted already
+            entries = [None if gone else e for e, gone in zip(entries, dropping)]
         todo = []
         for i, e in enumerate(entries):
             if e is None or not pool.entry_fits(e):

@@ -22,6 +22,8 @@ thread's own bookkeeping belong to the write thread (and to recovery before any 
 What relies on the GIL (CPython with a GIL; a free-threaded build would need these under `lock`):
   - the hit query reads the LRUs' HeldDigests (a dict lookup, a table probe of single 64-bit stores)
     while the write thread changes them (held.py says what a racing answer can be);
+  - a read's submit takes each page's IndexEntry from its pool's LRU (one OrderedDict get per key)
+    while the write thread changes it (reads.py says why a racing answer is a miss, never wrong bytes);
   - written_pending() reads `inflight` with one dict lookup per key, and WriteTask flags only ever go
     one way (written False -> True, error None -> set);
   - the hit query reads `dropping` (truthiness, then membership) without the lock;

@@ -105,3 +105,43 @@ def test_coalesced_reads_isolate_bad_pages(make_store):
     assert all(bytes(o[i]) == page(i) for i in range(N) if ok[i])
     c = s.stats()["counters"]
     assert c["crc_errors"] == 1 and c["short_reads"] == 1
+
+
+def test_a_slot_reclaimed_and_rewritten_after_the_lookup_is_a_miss(make_store):
+    """A read finds its slots among this rank's durable pages (the pool's LRU) and reads them later, on
+    an I/O thread. A page deleted after that lookup, its slot handed to another page before the read's
+    I/O, is a miss with a counter: never the other page's bytes (the header names another key)."""
+    import threading
+
+    from sglang_cp.l3.format.index import index_key
+
+    s = make_store()
+    ks = keys(4)
+    assert s.write_pages("kv", ks, [page(i) for i in range(4)]) == [True] * 4
+    pool = s.state.pool("kv")
+
+    def slot_of(key):
+        return pool.lru.get(index_key(pool.tag, s.state.digest(key), 0)).slot
+
+    first_slot = slot_of(ks[0])
+    entered, go = threading.Event(), threading.Event()
+    for name in ("_read_io", "_read_io_native"):  # hold the read's I/O until the slot changed hands
+        real = getattr(s.reads, name)
+
+        def held(*args, _real=real):
+            entered.set()
+            assert go.wait(30)
+            return _real(*args)
+        setattr(s.reads, name, held)
+    out = [np.zeros(P, np.uint8)]
+    pending = s.start_read_pages("kv", [ks[0]], out, timeout=60)
+    assert entered.wait(30), "the read never reached its I/O thread"
+    assert s.delete("kv", [ks[0]]) == 1
+    assert s.write_pages("kv", [b"other"], [page(9)]) == [True]
+    assert slot_of(b"other") == first_slot, "the test needs the freed slot reused"
+    go.set()
+    assert s.finish_read_pages(pending) == [False]
+    assert not out[0].any(), "a miss wrote the caller's page"
+    assert s.stats()["counters"]["foreign_blobs"] == 1
+    got = [np.zeros(P, np.uint8)]
+    assert s.read_pages("kv", [b"other"], got) == [True] and bytes(got[0]) == page(9)  # untouched by the drop

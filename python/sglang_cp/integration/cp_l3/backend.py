@@ -261,10 +261,11 @@ class CpL3Storage(HiCacheStorage):
         starts = validate_page_aligned(host_indices, ps, n_pages)
         if not self.sharded:
             return [(i, s) for i, s in enumerate(starts)]
-        t = torch.tensor(starts, dtype=torch.int64)
-        owners = self.placement.owner_of(t).tolist()
-        local = self.placement.local_index(t).tolist()
-        return [(i, local[i]) for i in range(n_pages) if owners[i] == self.shard_rank]
+        # Upstream's placement arithmetic (``PageInterleavePlacement``: ``%`` and ``//`` only) on Python
+        # ints, not on a tensor: three torch ops would each release the GIL (see page_groups.py).
+        # test_hook_targets checks that the pinned placement gives the tensor's answers for ints.
+        owner_of, local_index, me = self.placement.owner_of, self.placement.local_index, self.shard_rank
+        return [(i, local_index(s)) for i, s in enumerate(starts) if owner_of(s) == me]
 
     def _pool_for(self, name) -> Any:
         if pool_key(name) == KV_PAYLOAD:
@@ -348,8 +349,8 @@ class CpL3Storage(HiCacheStorage):
     def _page_source(self, payload: str, pool, row):
         """A page's bytes to write: the host pool's own memory where the page is contiguous, else a flat
         copy of it (layer_first), in upstream's flat order."""
-        view = pool.get_data_page(row, flat=False)
-        return self.host_bytes.page(payload, pool, view) if view.is_contiguous() else as_bytes_view(view)
+        out = self.host_bytes.row(payload, pool, row)
+        return out if out is not None else as_bytes_view(pool.get_data_page(row, flat=False))
 
     def _get(self, payload: str, keys: List[str], host_indices) -> List[bool]:
         return self._finish_get(self._start_get(payload, keys, host_indices))
@@ -363,11 +364,12 @@ class CpL3Storage(HiCacheStorage):
         pool = self._pool_for(payload)
         outs, copies = [], []
         for _i, row in mine:
-            view = pool.get_data_page(row, flat=False)
-            if view.is_contiguous():
-                outs.append(self.host_bytes.page(payload, pool, view))  # zero-copy: into the host pool
+            out = self.host_bytes.row(payload, pool, row)
+            if out is not None:
+                outs.append(out)  # zero-copy: into the host pool
                 copies.append(None)
             else:
+                view = pool.get_data_page(row, flat=False)
                 bounce = torch.empty(view.numel(), dtype=view.dtype)
                 outs.append(as_bytes_view(bounce))
                 copies.append(bounce)

@@ -6,14 +6,20 @@ at CPython's switch interval (5 ms). Turning upstream's page tensor into bytes t
 page: with a busy Python thread beside it, a 64-page restore spent 1.1 s there
 (``docs_internal/figures.md``, "A busy scheduler thread").
 
-Here upstream's ``get_data_page`` still locates every page, so each layout and index mapping stays
-upstream's; the page's bytes are then a numpy slice of one uint8 view of the pool buffer that holds it,
-made once per buffer. A page that is not contiguous, or that lies in no contiguous CPU tensor of its
+Here upstream's ``get_data_page`` still locates every page (once per row, below), so each layout and
+index mapping stays upstream's; the page's bytes are then a numpy slice of one uint8 view of the pool
+buffer that holds it, made once per buffer. A page that is not contiguous, or that lies in no contiguous CPU tensor of its
 pool, gets ``None`` and the caller takes the per-page path as before.
 
 Why the slice is the page: the cached buffer is a live tensor (this object holds it), so no other
 tensor's memory can overlap its range; a page whose bytes lie inside that range is those bytes. A pool
 that reallocates its buffer puts its pages outside the old range, and the buffer is looked up again.
+
+``row()`` also keeps each row's slice once upstream located it: the page tensor ``get_data_page`` returns
+releases the GIL when it is freed (a torch tensor's deallocation does), so a row costs that once, not at
+every backup and restore. The slices stay valid while the pool still holds the buffer under the attribute
+it was found under (checked at every call; otherwise they are dropped and the rows located again). At
+most one slice per page of the pool is kept.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class HostBuffer:
     start: int  # address of its first byte
     nbytes: int
     flat: Any  # numpy uint8 view of the same memory
+    attr: str  # the pool's attribute that holds it
 
 
 class HostPageBytes:
@@ -39,6 +46,34 @@ class HostPageBytes:
 
     def __init__(self) -> None:
         self._buffers: dict[str, HostBuffer] = {}
+        # payload -> (the buffer its rows lie in, row -> the row's bytes in it)
+        self._rows: dict[str, tuple[HostBuffer, dict[int, Any]]] = {}
+
+    def row(self, payload: str, pool, row: int):
+        """The bytes of the page at ``row`` (upstream's ``get_data_page(row, flat=False)``) as a writable
+        uint8 numpy view of its own memory, or None where that page is not contiguous (the caller
+        copies). Upstream locates each row once; later calls are a lookup (see the module docstring)."""
+        kept = self._rows.get(payload)
+        if kept is not None:
+            buf, rows = kept
+            if vars(pool).get(buf.attr) is buf.tensor:
+                out = rows.get(row)
+                if out is not None:
+                    return out
+            else:  # the pool let go of that buffer: every row is located again
+                del self._rows[payload]
+        page = pool.get_data_page(row, flat=False)
+        if not page.is_contiguous():
+            return None
+        out = self.of(payload, pool, page)
+        if out is None:
+            return as_bytes_view(page)  # in no buffer of the pool: the page's own view, not kept
+        buf = self._buffers[payload]
+        kept = self._rows.get(payload)
+        if kept is None or kept[0] is not buf:
+            kept = self._rows[payload] = (buf, {})
+        kept[1][row] = out
+        return out
 
     def of(self, payload: str, pool, page: torch.Tensor):
         """A writable uint8 numpy view of ``page`` (a contiguous tensor from ``pool.get_data_page(...,
@@ -54,11 +89,6 @@ class HostPageBytes:
         offset = start - buf.start
         return buf.flat[offset: offset + n]
 
-    def page(self, payload: str, pool, page: torch.Tensor):
-        """The bytes of a contiguous page: its slice of the pool buffer, else a view of the page itself."""
-        out = self.of(payload, pool, page)
-        return out if out is not None else as_bytes_view(page)
-
 
 def as_bytes_view(t: torch.Tensor):
     """A writable uint8 numpy view of a CPU tensor: no copy where it is contiguous (a flat copy otherwise)."""
@@ -68,7 +98,7 @@ def as_bytes_view(t: torch.Tensor):
 
 
 def _find_buffer(pool, start: int, n: int) -> Optional[HostBuffer]:
-    for value in vars(pool).values():
+    for name, value in vars(pool).items():
         if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_contiguous():
             base, size = value.data_ptr(), value.numel() * value.element_size()
             if base <= start and start + n <= base + size:
@@ -76,5 +106,5 @@ def _find_buffer(pool, start: int, n: int) -> Optional[HostBuffer]:
                     flat = as_bytes_view(value)
                 except (RuntimeError, TypeError):  # a tensor numpy cannot view as bytes: the per-page path
                     return None
-                return HostBuffer(value, base, size, flat)
+                return HostBuffer(value, base, size, flat, name)
     return None

@@ -8,6 +8,9 @@ the GIL for each call, so I/O threads and digest threads run them in parallel:
   cpl3_gate_close         closes an operation's permission to write the caller's pages
   cpl3_uring_*            the io_uring read engine (io.read_engine = "uring"): native/uring.py declares them
   cpl3_digests_sep/_ends  the hit query's key digests (index.digest_threads > 0): native/digests.py
+  cpl3_page_starts        whole pages in a run of token indices (page_starts below), called through
+                          ctypes.PyDLL, which keeps the GIL: a microsecond loop whose GIL release would cost
+                          more than the loop beside a busy Python thread (CPython's 5 ms switch interval)
 A build without a C compiler installs without the library; a store configured to use it then refuses
 to start with the field and the fix (`unavailable`).
 """
@@ -44,6 +47,7 @@ class Gate(ctypes.Structure):
 
 _lib: Optional[ctypes.CDLL] = None
 _lock = threading.Lock()
+_held = None  # ctypes.PyDLL of the library (calls keep the GIL), False once found missing
 
 
 def library_path() -> Optional[str]:
@@ -94,6 +98,30 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cpl3_digests_sep.argtypes = [u8p, u8p, sz, u8p, sz, sz, vp]
     lib.cpl3_digests_ends.argtypes = [u8p, u8p, sz, u8p, sz, vp, sz, vp]
     lib.cpl3_digests_sep.restype = lib.cpl3_digests_ends.restype = ctypes.c_int
+
+
+def page_starts(address: int, n_pages: int, page_size: int) -> Optional[list[int]]:
+    """The first index of each of `n_pages` groups of `page_size` int64 token indices at `address` (a
+    contiguous CPU buffer the caller keeps alive), if every group is a whole page (s, s+1, ...,
+    s+page_size-1, s a multiple of page_size); None if one is not or the library is not installed: the
+    caller then checks with its own code, which names the bad group. Keeps the GIL (see the docstring)."""
+    global _held
+    if _held is None:
+        with _lock:
+            path = library_path()
+            try:
+                held = ctypes.PyDLL(path) if path is not None else False
+            except OSError:
+                held = False
+            if held:
+                held.cpl3_page_starts.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]
+                held.cpl3_page_starts.restype = ctypes.c_int64
+            _held = held
+    if not _held or page_size <= 0 or n_pages < 0:
+        return None
+    starts = np.empty(n_pages, dtype=np.int64)
+    bad = _held.cpl3_page_starts(address, n_pages, page_size, starts.ctypes.data)
+    return starts.tolist() if bad < 0 else None
 
 
 def crc32c(data, value: int = 0) -> int:
