@@ -88,8 +88,7 @@ class PhaseProbes:
             setattr(obj, attr, wrapper)
         self._read_probes(r, timed)
         timed(r.backend, "_set", "backend_set")
-        timed(store, "start_write_pages", "submit")          # index lookup + staging copy + hand-over
-        timed(store.state.index, "get_many", "index_lookup")
+        timed(store, "start_write_pages", "submit")          # durable-page check + staging copy + hand-over
         for pool in store.state.pools.values():
             timed(pool.slab, "write_slots", "pwrite")
             timed(pool.slab, "write_slot", "pwrite")
@@ -497,7 +496,7 @@ def summarize(name, results):
     return out
 
 
-PHASE_ORDER = ("backend_set", "submit", "index_lookup", "crc_seal", "pwrite", "fdatasync", "lmdb_lock_wait",
+PHASE_ORDER = ("backend_set", "submit", "crc_seal", "pwrite", "fdatasync", "lmdb_lock_wait",
                "index_commit", "upstream_ack")
 READ_PHASE_ORDER = ("hash", "hit_query", "gloo_min", "allocate", "reads_started", "restore_wait", "store_read",
                     "prefetch_done")

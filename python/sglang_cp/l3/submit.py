@@ -15,7 +15,7 @@ import numpy as np
 
 from .acks import AckKind, OpState
 from .format.blob import crc32c
-from .format.index import IndexUnavailable, index_key
+from .format.index import index_key
 from .messages import WriteBatch, WriteTask
 from .payload_slab import PayloadSlab
 from .state import StoreState, page_view
@@ -61,11 +61,13 @@ class WriteSubmitter:
         op.ack_at_write = ack_at_write
         digests = list(map(st.digest, keys))
         ikeys = [index_key(pool.tag, d, st.rank) for d in digests]
-        try:
-            present = st.index.get_many(ikeys)
-        except IndexUnavailable as e:
-            st.fault("index_errors", "index", "L3 index read failed (%s); writing anyway", e)
-            present = [None] * len(keys)
+        # Durable already: in the pool's LRU, this rank's copy of its index entries (reads.py says why it
+        # is that copy), not an LMDB txn, whose every get releases the GIL (up to 5 ms each beside a
+        # busy scheduler thread, on upstream's backup thread). A page whose write completes between this
+        # lookup and _rides_inflight below is written again: harmless (same key, same bytes; the write
+        # thread replaces its entry and counts spill_replaced), as with an LMDB snapshot.
+        held = pool.lru.get
+        present = [held(k) for k in ikeys]
         batch = _Batch(st)
         for i, view in enumerate(views):
             if self._rides_inflight(op, i, ikeys[i]):

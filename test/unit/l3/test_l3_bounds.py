@@ -206,20 +206,21 @@ def test_submit_blocked_on_backpressure_fails_at_close(make_store, stalls):
 def test_submit_racing_close_is_settled(make_store, call, where):
     """The race: a submitter passes the closed check, close() stops the write thread, then the
     submitter stages / hands over its pages. Forced deterministically: close() runs inside the
-    submitter's index lookup (before staging) or inside its first GATHERED ack (pages staged, not yet
+    submitter's lookup of durable pages (before staging) or inside its first GATHERED ack (pages staged, not yet
     handed over)."""
     s = make_store()
     raced = []
-    if where == "lookup":
-        real = s.state.index.get_many
+    if where == "lookup":  # the "already durable" lookup, in the pool's LRU
+        lru = s.state.pool("kv").lru
+        real = lru.get
 
-        def get_many_then_close(ikeys):
-            out = real(ikeys)
+        def get_then_close(ikey):
+            out = real(ikey)
             if not raced:
                 raced.append(1)
                 s.close()
             return out
-        s.state.index.get_many = get_many_then_close
+        lru.get = get_then_close
     else:
         real_emit = s.state.emit
 
