@@ -33,6 +33,12 @@ the same GPUs, every request sent to both with one bootstrap room. TTFT is then 
 answer (the prefix computed or restored on the prefill worker, sent over the transfer engine, one decode
 step), and the cache details, counters and stages are the prefill worker's.
 
+``--decode-load N``: server B's restores and device hits are timed while N clients keep requests
+decoding (``benchmark.support.decode_load``: one shared short prompt, ``--decode-load-tokens`` greedy
+tokens each, one request after another): a server under load, whose scheduler and prefetch threads
+contend for the GIL, instead of an idle one. The device pool is sized for those requests too; the rows
+are labelled with the load and the clients' decode rate in the same window.
+
 ``run`` writes ``ttft.json``, ``ttft.png`` and prints the table; ``report`` merges the
 JSON of several runs (e.g. one model per run) into one table and plot.
 
@@ -47,6 +53,7 @@ kept in the JSON under ``profiles``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -59,6 +66,8 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
     sys.exit("bench_server_ttft: run it from the repository root as a module: "
              "python -m benchmark.hicache.bench_server_ttft")
 
+from benchmark.support.decode_load import DecodeLoad  # noqa: E402  (after the package check)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
     "glm5": os.path.join(HERE, "models", "glm5-shaped-78l"),
@@ -68,6 +77,7 @@ MODELS = {
 INDEXER_ROW_B = 128 + 4  # DSA indexer-K per token per layer: fp8 key + fp32 scale
 PAGE = 64
 GB = 1e9
+DECODE_LOAD_PROMPT = 256  # --decode-load: the clients' shared prompt, in tokens
 
 
 def log(*a):
@@ -130,7 +140,11 @@ def med(xs):
 
 
 def check_pd_args(args) -> None:
-    """--pd-cp's constraints, each named with its fix (before any server starts)."""
+    """--pd-cp's (and --decode-load's) constraints, each named with its fix (before any server starts)."""
+    if args.decode_load < 0:
+        raise SystemExit(f"--decode-load {args.decode_load}: the number of decoding clients, >= 0 (0: an idle server)")
+    if args.decode_load_tokens < 1:
+        raise SystemExit(f"--decode-load-tokens {args.decode_load_tokens}: tokens per load request, >= 1")
     if args.mem_fraction is None:
         args.mem_fraction = 0.5 if args.pd_cp else 0.8
     if not args.pd_cp:
@@ -182,7 +196,9 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     data_dir = os.path.join(work, "data")
     res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
            "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout,
-           "attention_backend": args.attention_backend, "read_engine": args.read_engine, "pd_cp": args.pd_cp}
+           "attention_backend": args.attention_backend, "read_engine": args.read_engine, "pd_cp": args.pd_cp,
+           "decode_load": ({"clients": args.decode_load, "new_tokens": args.decode_load_tokens}
+                           if args.decode_load else None)}
 
     log(f"[{name}] raw disk probe ({args.raw_gib} GiB O_DIRECT, {args.io_threads} threads) in {data_dir}")
     raw0 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
@@ -191,7 +207,9 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     P = {L: [prompt(L, 1000 * L + i) for i in range(reps)] for L in lengths}
     # --profile: one more prompt per length, spilled with the others, restored under py-spy after them
     extra = {L: prompt(L, 1000 * L + 999) for L in lengths} if args.profile else {}
-    max_total = int(max(lengths) * 1.25) + 2 * PAGE
+    # --decode-load: each client's request holds its prompt and its decode tokens on the GPU meanwhile
+    load_tokens = args.decode_load * (DECODE_LOAD_PROMPT + args.decode_load_tokens + PAGE)
+    max_total = int(max(lengths) * 1.25) + 2 * PAGE + load_tokens
     common = dict(context_length=max(lengths) + 256, max_total_tokens=max_total,
                   mem_fraction_static=args.mem_fraction, startup_timeout_s=args.startup_timeout,
                   attention_backend=args.attention_backend)
@@ -259,24 +277,17 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     res["startup_s_B"] = round(b.startup_s, 1)
     try:
         warm(b)
-        for L in lengths:
-            for i, p in enumerate(P[L]):
-                before = b.metrics_text()
-                c0 = server_cpu_s(b)
-                r = b.generate(p, 1)
-                cpu = server_cpu_s(b) - c0
-                row = rec(r, L)
-                row["cpu_s"] = cpu
-                time.sleep(1.2)  # the cp_l3 counters are published every second
-                row.update(store_deltas(before, b.metrics_text()))
-                rows["l3"].append(row)
-                c0 = server_cpu_s(b)
-                d = b.generate(p, 1)
-                cpu = server_cpu_s(b) - c0
-                rows["device"].append({**rec(d, L), "cpu_s": cpu})
-                log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
-                    f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s; stages {stage_line(row)}"
-                    + ("" if r.storage_tokens else "  NOT SERVED FROM L3 (left out of the table; see metrics_B)"))
+        load = contextlib.nullcontext()
+        if args.decode_load:
+            load = DecodeLoad(lambda ids, n, t: b.generate(ids, n, timeout_s=t), args.decode_load,
+                              prompt(DECODE_LOAD_PROMPT, 424242), args.decode_load_tokens,
+                              timeout_s=args.spill_timeout)
+            log(f"[{name}] decode load: {args.decode_load} clients x {args.decode_load_tokens} tokens")
+        with load:
+            restore_rows(b, P, lengths, rows, rec, name)
+        if args.decode_load:
+            res["decode_load"].update(load.during)
+            log(f"[{name}] decode load during the restores: {load.during}")
         if extra:
             try:
                 res["profiles"] = profile_restores(b, extra, name, args.out_dir)
@@ -293,6 +304,28 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     res["rows"] = rows
     shutil.rmtree(work, ignore_errors=True)
     return res
+
+
+def restore_rows(b, P: dict, lengths: list, rows: dict, rec, name: str) -> None:
+    """Server B's timed rows: each prompt restored from L3, then again as a device hit (its floor)."""
+    for L in lengths:
+        for i, p in enumerate(P[L]):
+            before = b.metrics_text()
+            c0 = server_cpu_s(b)
+            r = b.generate(p, 1)
+            cpu = server_cpu_s(b) - c0
+            row = rec(r, L)
+            row["cpu_s"] = cpu
+            time.sleep(1.2)  # the cp_l3 counters are published every second
+            row.update(store_deltas(before, b.metrics_text()))
+            rows["l3"].append(row)
+            c0 = server_cpu_s(b)
+            d = b.generate(p, 1)
+            cpu = server_cpu_s(b) - c0
+            rows["device"].append({**rec(d, L), "cpu_s": cpu})
+            log(f"[{name}] L3 restore {L} #{i}: {r.latency_s:.3f} s {r.cached_details}, "
+                f"{row['reload_bytes'] / GB:.2f} GB; device hit {d.latency_s:.3f} s; stages {stage_line(row)}"
+                + ("" if r.storage_tokens else "  NOT SERVED FROM L3 (left out of the table; see metrics_B)"))
 
 
 def profile_restores(server, prompts: dict, name: str, out_dir: str) -> list:
@@ -426,8 +459,10 @@ def summarize(res: dict) -> list:
         outside = [(r["ttft_s"] - f["ttft_s"]) - r["read_s"] - r.get("hitq_s", 0.0) for r, f in served]
         same = [a["first_token"] == b["first_token"]
                 for a, b in zip(pick("recompute", lambda r: True), pick("l3", lambda r: True))]
+        load = res.get("decode_load") or {}
         out.append({
-            "model": res["model"], "tokens": L,
+            "model": res["model"] + (f" (decode load {load['clients']})" if load.get("clients") else ""),
+            "tokens": L, "decode_load": load or None,
             "recompute": med([r["ttft_s"] for r in rec]),
             "l2": med([r["ttft_s"] for r in l2]),
             "l3": med([r["ttft_s"] for r in l3]),
@@ -566,6 +601,10 @@ def main(argv=None):
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--spill-timeout", type=float, default=300)
+    r.add_argument("--decode-load", type=int, default=0, metavar="N",
+                   help="time server B's restores while N clients keep requests decoding (default: idle server)")
+    r.add_argument("--decode-load-tokens", type=int, default=256, metavar="T",
+                   help="with --decode-load: greedy tokens per load request")
     r.add_argument("--profile", action="store_true",
                    help="restore one more prompt per length under py-spy (pip install py-spy)")
     r.add_argument("--pd-cp", type=int, default=0, metavar="N",

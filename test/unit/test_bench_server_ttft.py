@@ -112,7 +112,7 @@ def test_pd_cp_servers_are_pairs_with_the_sharded_prefill_flags_and_refusals(tmp
 
     def ns(**kw):
         base = dict(pd_cp=2, profile=False, mem_fraction=None, pd_decode_mem_fraction=0.3,
-                    pd_transfer_backend="nixl", out_dir=str(tmp_path))
+                    pd_transfer_backend="nixl", out_dir=str(tmp_path), decode_load=0, decode_load_tokens=256)
         return argparse.Namespace(**{**base, **kw})
 
     args = ns()
@@ -132,9 +132,20 @@ def test_pd_cp_servers_are_pairs_with_the_sharded_prefill_flags_and_refusals(tmp
     assert type(plain) is ServerProcess and "--enable-kv-cache-sharding" not in plain.command()
 
     for bad, fix in ((dict(pd_cp=1), "at least 2 GPUs"), (dict(profile=True), "not available with --pd-cp"),
-                     (dict(mem_fraction=0.7), "lower one of them")):
+                     (dict(mem_fraction=0.7), "lower one of them"), (dict(decode_load=-1), "--decode-load -1"),
+                     (dict(decode_load=2, decode_load_tokens=0), "--decode-load-tokens 0")):
         with pytest.raises(SystemExit, match=fix):
             bench.check_pd_args(ns(**bad))
     off = ns(pd_cp=0)
     bench.check_pd_args(off)
     assert off.mem_fraction == 0.8
+
+
+def test_a_run_under_decode_load_is_labelled_with_it():
+    run = _run()
+    run["decode_load"] = {"clients": 8, "new_tokens": 256, "requests": 40, "tokens": 10240, "seconds": 9.5,
+                          "tokens_per_s": 1077.9}
+    (row,) = bench.summarize(run)
+    assert row["model"] == "m (decode load 8)" and row["decode_load"]["tokens_per_s"] == 1077.9
+    (idle,) = bench.summarize(_run())
+    assert idle["model"] == "m" and idle["decode_load"] is None
