@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .errors import L3InvariantError
+from .native import held_probe
 
 _QQ = struct.Struct("<QQ")  # a 16-byte digest as two little-endian words
 _VAL = 0xFFFF               # the low 16 bits of a table slot hold its value (0: empty slot)
@@ -21,6 +22,8 @@ _BUILD_LOAD = 0.625         # a (re)built table holds at most this many keys per
 _MAX_LOAD = 0.75            # used slots (held + tombs) per table slot that trigger a rebuild (>= 1/8 of
                             # the table between a rebuild and the next)
 _MAX_PROBES = 64            # batch lookups probe this far, then ask the dict (bounded under concurrent puts)
+_PAST_BOUND = (1 << 64) - 1  # the native probe's answer for a chain longer than _MAX_PROBES
+_NATIVE_PROBE = True        # batch lookups in C where the library is installed (tests turn it off to compare)
 
 
 def _capacity(n: int) -> int:
@@ -39,8 +42,8 @@ class HeldDigests:
     one numpy array of one 64-bit word per slot: the digest's first word with its low 16 bits replaced by
     the value (pool bits; _TOMB once no pool holds the key; 0 = empty). The home slot comes from the
     digest's second word, so the 48 key bits a slot keeps are independent of where it sits: digests are
-    blake2b output, and a false match is ~2^-48 per probe (a hit that read_pages, which asks the index,
-    turns into a miss; never bytes). A dict lookup per key costs a few dependent cache misses, one key
+    blake2b output, and a false match is ~2^-48 per probe (a hit that read_pages, which looks the slot
+    up again and checks the blob's identity, turns into a miss; never bytes). A dict lookup per key costs a few dependent cache misses, one key
     after another; at a rank's share of a node (millions of pages) that is most of a 16K-key hit query.
     The table's vectorized probes cost one random memory access per key and issue them together, and
     at 8 bytes per slot and up to 0.625 load the table stays small (2.5M held pages: 32 MB): on a host
@@ -148,6 +151,14 @@ class HeldDigests:
         """The held bitmask of each digest (uint64 array), as `get(d, 0)` would answer; None while there
         is no table (ask the dict). Digests: a list of 16-byte digests, or one bytes object of them
         back to back (the native hasher's form)."""
+        got = self.probe(digests, 0)
+        return None if got is None else got[0]
+
+    def probe(self, digests, mask: int) -> Optional[tuple[np.ndarray, int]]:
+        """``many``'s answer and how many of its values hold every bit of `mask` (the hit query's "whole
+        chunk held" test), or None while there is no table. With the native library it is one C call
+        that keeps the GIL (native/held_probe.c: numpy's array operations release it, each a wait of up
+        to 5 ms beside a busy scheduler thread); without it, numpy."""
         t = self._table
         if t is None:
             return None
@@ -160,6 +171,20 @@ class HeldDigests:
             raw = b"".join(digests)
         if len(raw) != 16 * n:
             raise L3InvariantError("HeldDigests.many: a digest that is not 16 bytes")
+        native = held_probe(tab, raw, _MAX_PROBES, mask) if _NATIVE_PROBE else None
+        if native is not None:
+            out, full, past = native
+            if past:  # chains past the probe bound (a burst of puts between rebuilds): the dict answers
+                get = self._d.get
+                idx = [i for i, v in enumerate(out.tolist()) if v == _PAST_BOUND]
+                vals = [get(raw[16 * i:16 * i + 16], 0) & (_TOMB - 1) for i in idx]
+                out[idx] = vals
+                full += sum(1 for v in vals if v & mask == mask)
+            return out, full
+        out = self._probe_numpy(raw, n, tab, m)
+        return out, int(np.count_nonzero((out & np.uint64(mask)) == np.uint64(mask)))
+
+    def _probe_numpy(self, raw: bytes, n: int, tab: np.ndarray, m: int) -> np.ndarray:
         q = np.frombuffer(raw, dtype="<u8")
         vm = np.uint64(_VAL)
         q0 = q[0::2] & ~vm

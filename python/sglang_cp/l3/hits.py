@@ -5,7 +5,7 @@ its index commit and removes it after its index delete, and only this process wr
 entries (cold start seeds the LRU from the index), so the LRU is this rank's view of the index; the
 query reads the LRUs' shared HeldDigests without a lock (state.py: what relies on the GIL). In the
 windows around a commit or delete the answer errs towards a miss, or towards a hit that read_pages
-(which asks the index) turns into a miss: never wrong bytes.
+(which looks each slot up again) turns into a miss: never wrong bytes.
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ import itertools
 import operator
 import time
 
-import numpy as np
-
 from .format.blob import digest_list, mixed_keys_error
 from .format.index import key_prefix as index_key_prefix
 from .state import StoreState
 
-# Chunks of at least this many keys look up the held digests in HeldDigests' numpy table (a fixed
-# ~50 us of numpy calls, then overlapped cache misses); smaller ones in its dict (~60 ns per key, more at
-# millions of held pages).
+# Chunks of at least this many keys look up the held digests in HeldDigests' table (one C call that keeps
+# the GIL, or numpy without the native library: overlapped cache misses); smaller ones in its dict
+# (~60 ns per key, more at millions of held pages).
 _TABLE_CHUNK = 1024
 
 
@@ -61,7 +59,7 @@ class HitQuery:
         mask = 0
         for pl in pools:
             mask |= pl.lru.bit
-        get, many = st.held.get, st.held.many
+        get, probe = st.held.get, st.held.probe
         every = mask == (1 << len(st.pools)) - 1
         pending = st.written_pending()
         dropping = st.dropping or None
@@ -78,10 +76,11 @@ class HitQuery:
             except TypeError:
                 raise mixed_keys_error(keys) from None  # the odd key's place in the whole list
             # Big chunks: the vectorized table (its probes' cache misses overlap); small ones: the dict.
-            arr = many(digests) if e - s >= _TABLE_CHUNK else None
-            if arr is not None:
+            got = probe(digests, mask) if e - s >= _TABLE_CHUNK else None
+            if got is not None:
+                arr, full = got
                 # Every key of the chunk held (the usual big chunk): one count, no flag list built.
-                if dropping is None and np.count_nonzero((arr & mask) == mask) == e - s:
+                if dropping is None and full == e - s:
                     if classes:
                         flags += itertools.repeat(True, e - s)
                     s = e

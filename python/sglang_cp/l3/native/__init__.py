@@ -8,9 +8,10 @@ the GIL for each call, so I/O threads and digest threads run them in parallel:
   cpl3_gate_close         closes an operation's permission to write the caller's pages
   cpl3_uring_*            the io_uring read engine (io.read_engine = "uring"): native/uring.py declares them
   cpl3_digests_sep/_ends  the hit query's key digests (index.digest_threads > 0): native/digests.py
-  cpl3_page_starts        whole pages in a run of token indices (page_starts below), called through
-                          ctypes.PyDLL, which keeps the GIL: a microsecond loop whose GIL release would cost
-                          more than the loop beside a busy Python thread (CPython's 5 ms switch interval)
+  cpl3_page_starts        whole pages in a run of token indices (page_starts below) and
+  cpl3_held_probe         the hit query's batch lookup in HeldDigests' table (held_probe below), called
+                          through ctypes.PyDLL, which keeps the GIL: short loops whose GIL release would
+                          cost more than the loop beside a busy Python thread (CPython's 5 ms switch interval)
 A build without a C compiler installs without the library; a store configured to use it then refuses
 to start with the field and the fix (`unavailable`).
 """
@@ -100,28 +101,54 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cpl3_digests_sep.restype = lib.cpl3_digests_ends.restype = ctypes.c_int
 
 
+def _gil_held_library():
+    """The library through ctypes.PyDLL (its calls keep the GIL), or None where it is not installed."""
+    global _held
+    if _held is None:
+        with _lock:
+            if _held is None:
+                path = library_path()
+                try:
+                    lib = ctypes.PyDLL(path) if path is not None else False
+                except OSError:
+                    lib = False
+                if lib:
+                    vp, u64, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
+                    lib.cpl3_page_starts.argtypes = [vp, u64, i64, vp]
+                    lib.cpl3_page_starts.restype = i64
+                    lib.cpl3_held_probe.argtypes = [vp, u64, ctypes.c_char_p, u64, ctypes.c_uint32, u64, vp, vp]
+                    lib.cpl3_held_probe.restype = i64
+                _held = lib
+    return _held or None
+
+
 def page_starts(address: int, n_pages: int, page_size: int) -> Optional[list[int]]:
     """The first index of each of `n_pages` groups of `page_size` int64 token indices at `address` (a
     contiguous CPU buffer the caller keeps alive), if every group is a whole page (s, s+1, ...,
     s+page_size-1, s a multiple of page_size); None if one is not or the library is not installed: the
     caller then checks with its own code, which names the bad group. Keeps the GIL (see the docstring)."""
-    global _held
-    if _held is None:
-        with _lock:
-            path = library_path()
-            try:
-                held = ctypes.PyDLL(path) if path is not None else False
-            except OSError:
-                held = False
-            if held:
-                held.cpl3_page_starts.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p]
-                held.cpl3_page_starts.restype = ctypes.c_int64
-            _held = held
-    if not _held or page_size <= 0 or n_pages < 0:
+    lib = _gil_held_library()
+    if lib is None or page_size <= 0 or n_pages < 0:
         return None
     starts = np.empty(n_pages, dtype=np.int64)
-    bad = _held.cpl3_page_starts(address, n_pages, page_size, starts.ctypes.data)
+    bad = lib.cpl3_page_starts(address, n_pages, page_size, starts.ctypes.data)
     return starts.tolist() if bad < 0 else None
+
+
+def held_probe(table: np.ndarray, raw: bytes, max_probes: int, mask: int):
+    """HeldDigests' batch lookup (``cpl3_held_probe``): for the digests back to back in `raw`, their
+    values in `table` (uint64, a power-of-two size), UINT64_MAX where a chain went past `max_probes`;
+    and how many values hold every bit of `mask`. (values, full, past_bound), or None where the library
+    is not installed. Keeps the GIL, so the table's writer cannot store into it meanwhile."""
+    lib = _gil_held_library()
+    if lib is None:
+        return None
+    n = len(raw) // 16
+    out = np.empty(n, dtype=np.uint64)
+    full = ctypes.c_uint64(0)
+    past = lib.cpl3_held_probe(table.ctypes.data, table.size - 1, raw, n, max_probes, mask, out.ctypes.data,
+                               ctypes.addressof(full))
+    return out, full.value, past
 
 
 def crc32c(data, value: int = 0) -> int:
