@@ -52,7 +52,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,6 +59,7 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
     sys.exit("bench_cp_l3: run it from the repository root as a module: python -m benchmark.hicache.bench_cp_l3")
 
 from benchmark.hicache import pyspy_profile  # noqa: E402  (--profile)
+from benchmark.support.busy_thread import BusyScheduler  # noqa: E402  (--busy-scheduler)
 from benchmark.support.cp_harness import GLM5_KV_LORA, GLM5_ROPE, PAGE, Rank, run_ranks, tokens_for  # noqa: E402
 
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
@@ -145,34 +145,6 @@ class PhaseProbes:
         out[end] = {"first": t_ack, "last": t_ack, "sum": 0.0, "n": 1}
         self.events.clear()
         return out
-
-
-class BusyScheduler:
-    """``--busy-scheduler``: one Python thread per rank that runs bytecode without pause during the timed
-    prefetch, as a GPU server's scheduler thread does while a request waits for its prefetch (its event
-    loop polls without sleeping). CPython hands the GIL from a running thread to a woken one only at its
-    switch interval (``sys.getswitchinterval()``, 5 ms by default), so each of upstream's thread hand-offs
-    on the restore path can wait that long; ``switch_ms`` sets the interval for the run."""
-
-    def __init__(self, switch_ms=None):
-        self.switch_ms, self._stop, self._thread = switch_ms, threading.Event(), None
-        self._old = sys.getswitchinterval()
-
-    def __enter__(self):
-        if self.switch_ms is not None:
-            sys.setswitchinterval(self.switch_ms / 1e3)
-
-        def spin():
-            while not self._stop.is_set():
-                sum(range(64))
-        self._thread = threading.Thread(target=spin, name="busy-scheduler", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        sys.setswitchinterval(self._old)
 
 
 def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n_pages, layers, cold_start,

@@ -32,6 +32,8 @@ Every figure: median with p99 and min-max over --runs repetitions. The index liv
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import shutil
 import statistics
@@ -89,15 +91,23 @@ def build(index, n: int, seed: int) -> float:
     return time.perf_counter() - t0
 
 
-def timed(fn, runs: int) -> tuple[list[float], list[float]]:
+def timed_calls(fn, runs: int, busy: bool = False) -> tuple[list[float], list[float]]:
     """(wall seconds, CPU seconds of this thread) per call. On a shared, loaded machine wall time is
-    mostly waiting for a core; CPU time is the query's own cost."""
+    mostly waiting for a core; CPU time is the query's own cost. ``busy``: the calls run beside a Python
+    thread that never pauses (``--busy-scheduler``: a server's scheduler), so each GIL release the query
+    makes waits up to CPython's switch interval."""
+    ctx = contextlib.nullcontext()
+    if busy:
+        from benchmark.support.busy_thread import BusyScheduler
+
+        ctx = BusyScheduler()
     wall, cpu = [], []
-    for _ in range(runs):
-        c0, t0 = time.thread_time(), time.perf_counter()
-        fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
+    with ctx:
+        for _ in range(runs):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fn()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
     return wall, cpu
 
 
@@ -155,6 +165,7 @@ def store_io(store: L3Store, pages: list, tag: str) -> tuple[float, float]:
 
 
 def one_size(base: str, n: int, args) -> dict:
+    timed = functools.partial(timed_calls, busy=args.busy_scheduler)
     d = tempfile.mkdtemp(prefix=f"idx-{n}-", dir=base)
     out = {"entries": n}
     try:
@@ -234,6 +245,8 @@ def one_size(base: str, n: int, args) -> dict:
                 out[f"prefix1_{nk}"] = timed(
                     lambda: store.exists_prefix("kv", tails(h), key_prefix=ks.prefix(0)) == nk or _fail(), runs)
                 kvix_queries(nk, ("prefix2", "each8", ""))
+                if args.busy_scheduler:
+                    continue  # py-lmdb releases the GIL for every get: seconds per call beside a busy thread
                 # Floors, same run: the LMDB lookups alone (store keys digested beforehand), one txn.
                 rows1 = lmdb_rows(["kv"], skeys[:nk])
                 rows2 = lmdb_rows(["kv", "indexer"], skeys[:nk])
@@ -324,7 +337,12 @@ def main():
     ap.add_argument("--digest-threads", default="0", help="index.digest_threads values to compare, comma list; "
                     "the first is the store's own, each further one repeats the kv+ix hit queries with the native "
                     "hasher on that many threads (e.g. 0,4). Native rows are wall time: their work is on several threads")
+    ap.add_argument("--busy-scheduler", action="store_true",
+                    help="time every query beside a Python thread that never pauses (a server's scheduler)")
     args = ap.parse_args()
+    if args.busy_scheduler and not __package__:
+        ap.error("--busy-scheduler: run it from the repository root as a module: "
+                 "python -m benchmark.hicache.bench_l3_index")
     dts = [x.strip() for x in args.digest_threads.split(",")]
     if not dts or not all(x.isdigit() and 0 <= int(x) <= 64 for x in dts) or len(set(dts)) != len(dts):
         ap.error(f"--digest-threads: distinct integers in [0, 64], comma-separated, e.g. 0,4; got {args.digest_threads!r}")
@@ -343,6 +361,8 @@ def main():
             for cell, what in (("prefix1", "exists_prefix kv         "), ("lmdb1", "  floor: LMDB gets, kv   "),
                                ("prefix2", "exists_prefix_multi kv+ix"), ("lmdb2", "  floor: LMDB gets, kv+ix"),
                                ("each8", "exists_each kv+ix, 8 cls ")):
+                if f"{cell}_{nk}" not in r:
+                    continue  # (the LMDB floors are not timed beside a busy thread)
                 wall, cpu = r[f"{cell}_{nk}"]
                 print(f"  {nk:>6} keys: {what} wall {stat_ms(wall)}; CPU {stat_ms(cpu)}")
         for dt in [int(x) for x in dts[1:]]:
@@ -370,6 +390,8 @@ def main():
             print(f"  spill (write_pages/128, DURABLE) {med(r['spill_gbps'])} GB/s = {med(r['spill_vs_raw'])}x raw; "
                   f"cold reload (read_pages/128) {med(r['reload_gbps'])} GB/s = {med(r['reload_vs_raw'])}x raw "
                   f"({r['io_bytes'] / 2**20:.0f} MiB of 1 MiB pages, {args.io_reps} reps, same-run raw O_DIRECT)")
+    if args.busy_scheduler:
+        print("\nevery query ran beside a Python thread that never pauses (--busy-scheduler)")
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
           f"wall {time.time() - t_start:.0f} s. Times include the backend's key work (KeyScheme.prefix, and "
           "suffixes where keys pass as bytes); "
