@@ -668,6 +668,7 @@ def main():
                     label = (name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
                              + (f", {engine} reads" if engine != "python" else ""))
                     rows.append((label, backend, world, sharded, dk, ack, zc, engine))
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)  # a scratch directory named on the command line
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
     try:
