@@ -68,6 +68,9 @@ class WriteSubmitter:
         # thread replaces its entry and counts spill_replaced), as with an LMDB snapshot.
         held = pool.lru.get
         present = [held(k) for k in ikeys]
+        if st.dropping:  # a bad page a reader dropped: its index entry is gone, its LRU entry not yet
+            with st.lock:
+                present = [None if k in st.dropping else e for k, e in zip(ikeys, present)]
         batch = _Batch(st)
         for i, view in enumerate(views):
             if self._rides_inflight(op, i, ikeys[i]):

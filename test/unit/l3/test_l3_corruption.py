@@ -2,6 +2,7 @@
 slots. Each bad page is exactly one miss, is dropped from the index, and can be written again."""
 
 import os
+import time
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -145,3 +146,33 @@ def test_a_slot_reclaimed_and_rewritten_after_the_lookup_is_a_miss(make_store):
     assert s.stats()["counters"]["foreign_blobs"] == 1
     got = [np.zeros(P, np.uint8)]
     assert s.read_pages("kv", [b"other"], got) == [True] and bytes(got[0]) == page(9)  # untouched by the drop
+
+
+def test_a_page_dropped_as_bad_is_written_again_before_the_write_thread_forgets_it(make_store):
+    """A reader that finds a bad page deletes its index entry, acks the miss, and leaves the slot to the
+    write thread (a Drop). A write of that key in between must really write it: the "already durable"
+    check must not answer from the pool's LRU, which holds the entry until the Drop is handled."""
+    import threading
+
+    s = make_store()
+    ks = keys(8)
+    assert all(s.write_pages("kv", ks, [page(i) for i in range(8)]))
+    flip(slab_path(s), slot_offset(s, ks[5]) + 7)
+    held, real = threading.Event(), s._writer._drop
+
+    def drop_later(m):
+        assert held.wait(30)
+        real(m)
+    s._writer._drop = drop_later  # the write thread takes the Drop only after the rewrite below
+    o = [np.zeros(P, np.uint8) for _ in range(8)]
+    assert s.read_pages("kv", ks, o)[5] is False
+    spilled = s.stats()["counters"]["spill_pages"]
+    box = {}
+    writer = threading.Thread(target=lambda: box.update(ok=s.write_pages("kv", [ks[5]], [page(5)])))
+    writer.start()
+    time.sleep(0.3)  # the rewrite is submitted (and waits behind the held Drop for its commit)
+    held.set()
+    writer.join(30)
+    assert box.get("ok") == [True]
+    assert s.stats()["counters"]["spill_pages"] == spilled + 1, "the rewrite was taken for a durable page"
+    assert s.read_pages("kv", ks, o) == [True] * 8 and bytes(o[5]) == page(5)
