@@ -48,7 +48,7 @@ class Gate(ctypes.Structure):
 
 _lib: Optional[ctypes.CDLL] = None
 _lock = threading.Lock()
-_held = None  # ctypes.PyDLL of the library (calls keep the GIL), False once found missing
+_gil_lib = None  # ctypes.PyDLL of the library (calls keep the GIL), False once found missing
 
 
 def library_path() -> Optional[str]:
@@ -103,23 +103,23 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _gil_held_library():
     """The library through ctypes.PyDLL (its calls keep the GIL), or None where it is not installed."""
-    global _held
-    if _held is None:
+    global _gil_lib
+    if _gil_lib is None:
         with _lock:
-            if _held is None:
+            if _gil_lib is None:
                 path = library_path()
                 try:
                     lib = ctypes.PyDLL(path) if path is not None else False
-                except OSError:
+                    if lib:
+                        vp, u64, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
+                        lib.cpl3_page_starts.argtypes = [vp, u64, i64, vp]
+                        lib.cpl3_page_starts.restype = i64
+                        lib.cpl3_held_probe.argtypes = [vp, u64, ctypes.c_char_p, u64, ctypes.c_uint32, u64, vp, vp]
+                        lib.cpl3_held_probe.restype = i64
+                except (OSError, AttributeError):  # not installed, or a build without these functions
                     lib = False
-                if lib:
-                    vp, u64, i64 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64
-                    lib.cpl3_page_starts.argtypes = [vp, u64, i64, vp]
-                    lib.cpl3_page_starts.restype = i64
-                    lib.cpl3_held_probe.argtypes = [vp, u64, ctypes.c_char_p, u64, ctypes.c_uint32, u64, vp, vp]
-                    lib.cpl3_held_probe.restype = i64
-                _held = lib
-    return _held or None
+                _gil_lib = lib
+    return _gil_lib or None
 
 
 def page_starts(address: int, n_pages: int, page_size: int) -> Optional[list[int]]:
