@@ -47,9 +47,8 @@ class HeldDigests:
     costs a few dependent cache misses, one key after another; at a rank's share of a node (millions of
     pages) that is most of a 16K-key hit query. The table's vectorized probes cost one random memory
     access per key and issue them together, and at 8 bytes per slot and up to 0.625 load the table
-    stays small (2.5M held pages: 32 MB): on a host
-    where a random access into a 128 MB table cost ~6 ms per 16K keys (nested paging), a table of 32 MB
-    did not (docs_internal/l3_store.md, "Slot layout").
+    stays small (2.5M held pages: 32 MB): on a host where a random access into a 128 MB table cost ~6 ms
+    per 16K keys (nested paging), a table of 32 MB did not (docs_internal/l3_store.md, "Slot layout").
     Written by the one thread that writes the dict (the store's write thread; recovery before it starts),
     read by any: a put is one aligned 64-bit store (key and value together), and a rebuild swaps one
     tuple, so a concurrent batch lookup sees a key as held, not held, or (around a discard) still held,

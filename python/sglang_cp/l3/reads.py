@@ -1,8 +1,8 @@
 """The store's read path: submit, land, verify, deliver.
 
 submit (caller thread): look the keys up among this rank's durable pages (and, under backup_ack =
-"written", among the pages written but not yet committed), group consecutive slots into coalesced reads and hand each to a
-read I/O thread. land (I/O thread): one preadv of whole slot extents into a landing area the store
+"written", among the pages written but not yet committed), group consecutive slots into coalesced reads
+and hand each to a read I/O thread. land (I/O thread): one preadv of whole slot extents into a landing area the store
 owns; a failed or short run is read again page by page. verify + deliver (finisher thread): header
 identity and payload CRC32C per page, then a copy into the caller's buffer, unless the caller gave up.
 So a read that never comes back cannot touch the caller's pages, and the I/O thread's next preadv does
@@ -21,9 +21,9 @@ bytes fails the header identity check (key digest, slot, rank, payload) or the C
 bytes, as when the slot came from an LMDB snapshot. Reading the LRU from this thread relies on the GIL
 (state.py's list).
 
-What it uses of the shared state (StoreState), and so what a replacement must keep doing: the pools'
-LRUs, `dropping` and `written_entries` to find pages; `pool`, `digest`, `new_op`, `finish`, `count`/`fault`, `touch` + `now`
-(a hit bumps the LRU), `submit_io`, `set_fatal`; under `lock`, `reads_inflight` and the reload counters;
+What it uses of the shared state (StoreState), and so what a replacement must keep doing:
+`durable_entries` and `written_entries` to find pages; `pool`, `digest`, `new_op`, `finish`,
+`count`/`fault`, `touch` + `now` (a hit bumps the LRU), `submit_io`, `set_fatal`; under `lock`, `reads_inflight` and the reload counters;
 a bad page is added to `dropping`, its exact index entry deleted, and a `Drop` posted to the write
 thread, which frees its slot (index delete before slot free). close() calls shut() then shutdown().
 """
@@ -121,16 +121,9 @@ class ReadPath:
             # is still found (its slot is the same either way; the write thread adds a page to the LRU
             # before it leaves `inflight`).
             pending = st.written_entries(ikeys) if st.ack_at_write and st.inflight else None
-            dropping = [k in st.dropping for k in ikeys] if st.dropping else None
-        # Slots come from the pool's LRU (the module docstring says why that is this rank's index), not
-        # from LMDB: py-lmdb releases the GIL for every get, and beside a busy scheduler thread each
-        # release waits up to CPython's 5 ms switch interval (116 ms for 512 keys, 0.1 ms without it).
-        held = pool.lru.get
-        entries = [held(k) for k in ikeys]
+        entries = st.durable_entries(pool, ikeys)  # the pool's LRU (the module docstring says why)
         if pending:
             entries = [e if e is not None else pending.get(i) for i, e in enumerate(entries)]
-        if dropping:  # a bad page being dropped: its index entry is deleted already
-            entries = [None if gone else e for e, gone in zip(entries, dropping)]
         todo = []
         for i, e in enumerate(entries):
             if e is None or not pool.entry_fits(e):

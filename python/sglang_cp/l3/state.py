@@ -22,7 +22,7 @@ thread's own bookkeeping belong to the write thread (and to recovery before any 
 What relies on the GIL (CPython with a GIL; a free-threaded build would need these under `lock`):
   - the hit query reads the LRUs' HeldDigests (a dict lookup, a table probe of single 64-bit stores)
     while the write thread changes them (held.py says what a racing answer can be);
-  - a read's submit takes each page's IndexEntry from its pool's LRU (one OrderedDict get per key)
+  - durable_entries() takes each page's IndexEntry from its pool's LRU (one OrderedDict get per key)
     while the write thread changes it (reads.py says why a racing answer is a miss, never wrong bytes);
   - written_pending() reads `inflight` with one dict lookup per key, and WriteTask flags only ever go
     one way (written False -> True, error None -> set);
@@ -149,6 +149,20 @@ class StoreState:
             self.count("touches_dropped")
             return
         self.touches.append(Touch(pool, ikey, now))
+
+    def durable_entries(self, pool, ikeys: list[bytes]) -> list[Optional[IndexEntry]]:
+        """Per key, this rank's durable page: its IndexEntry from `pool`'s LRU (the write thread's copy of
+        this rank's index entries, reads.py), or None. A page a reader is dropping as bad is None: its key
+        enters `dropping` before its index entry is deleted and leaves it after its LRU entry is released,
+        both under `lock`, so the lookups under `lock` never see a dropped page's stale entry. Not
+        LMDB: py-lmdb releases the GIL for every get, a wait of up to 5 ms each beside a busy Python
+        thread (116 ms for 512 keys)."""
+        get = pool.lru.get
+        with self.lock:
+            dropping = self.dropping
+            if dropping:
+                return [None if k in dropping else get(k) for k in ikeys]
+            return [get(k) for k in ikeys]
 
     def written_entries(self, ikeys: list[bytes]) -> dict[int, IndexEntry]:
         """Under `lock`: {i: entry} for keys written to a slot whose index commit is pending."""

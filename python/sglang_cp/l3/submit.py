@@ -61,16 +61,10 @@ class WriteSubmitter:
         op.ack_at_write = ack_at_write
         digests = list(map(st.digest, keys))
         ikeys = [index_key(pool.tag, d, st.rank) for d in digests]
-        # Durable already: in the pool's LRU, this rank's copy of its index entries (reads.py says why it
-        # is that copy), not an LMDB txn, whose every get releases the GIL (up to 5 ms each beside a
-        # busy scheduler thread, on upstream's backup thread). A page whose write completes between this
-        # lookup and _rides_inflight below is written again: harmless (same key, same bytes; the write
-        # thread replaces its entry and counts spill_replaced), as with an LMDB snapshot.
-        held = pool.lru.get
-        present = [held(k) for k in ikeys]
-        if st.dropping:  # a bad page a reader dropped: its index entry is gone, its LRU entry not yet
-            with st.lock:
-                present = [None if k in st.dropping else e for k, e in zip(ikeys, present)]
+        # Durable already (the pool's LRU: state.durable_entries). A page whose write completes between
+        # this lookup and _rides_inflight below is written again: harmless (same key, same bytes; the
+        # write thread replaces its entry and counts spill_replaced), as with an LMDB snapshot.
+        present = st.durable_entries(pool, ikeys)
         batch = _Batch(st)
         for i, view in enumerate(views):
             if self._rides_inflight(op, i, ikeys[i]):

@@ -210,17 +210,16 @@ def test_submit_racing_close_is_settled(make_store, call, where):
     handed over)."""
     s = make_store()
     raced = []
-    if where == "lookup":  # the "already durable" lookup, in the pool's LRU
-        lru = s.state.pool("kv").lru
-        real = lru.get
+    if where == "lookup":  # the "already durable" lookup (the pool's LRU)
+        real = s.state.durable_entries
 
-        def get_then_close(ikey):
-            out = real(ikey)
+        def lookup_then_close(pool, ikeys):
+            out = real(pool, ikeys)
             if not raced:
                 raced.append(1)
                 s.close()
             return out
-        lru.get = get_then_close
+        s.state.durable_entries = lookup_then_close
     else:
         real_emit = s.state.emit
 
