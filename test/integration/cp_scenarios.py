@@ -20,13 +20,14 @@ def demo_l3_config(root, zero_copy: bool = False, backup_ack: str | None = None)
 
 
 def roundtrip(rank, world, rendezvous, l3_config, sharded, n_pages, write_phase, cold_start="clear",
-              do_write=True, salt=0, seed=0, sidecars=False, drop_sidecar_page=None):
+              do_write=True, salt=0, seed=0, sidecars=False, drop_sidecar_page=None, layout="page_first"):
     """Back up n_pages, wipe the host pool, prefetch them back, compare this rank's stripe.
 
     drop_sidecar_page: logical page whose DSA indexer payload its owner deletes after the
     backup (a sidecar not durable): the whole logical page and everything after it must miss.
     """
-    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, cold_start=cold_start, sidecars=sidecars)
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, cold_start=cold_start, sidecars=sidecars,
+             layout=layout)
     try:
         tokens = tokens_for(n_pages, seed)
         out = {"rank": rank}

@@ -33,6 +33,19 @@ def _assert_roundtrip(results, n_pages, sharded, write_phase=None):
     assert sum(r["checked"] for r in results) == (n_pages if sharded else n_pages * world)
 
 
+@pytest.mark.parametrize("sharded", [True, False])
+def test_layer_first_pages_round_trip_through_a_copy(l3cfg, sharded):
+    """--hicache-mem-layout layer_first: a page is not contiguous in the host pool, so the backend writes
+    a flat copy and reads into a bounce it copies back (no page bytes kept per row); the bytes reloaded
+    are the bytes written, and after a restart too."""
+    n_pages, phase = 5, 1
+    # roundtrip(..., cold_start, do_write, salt, seed, sidecars, drop_sidecar_page, layout)
+    first = run_ranks(2, roundtrip, (l3cfg, sharded, n_pages, phase, "clear", True, 0, 0, False, None, "layer_first"))
+    _assert_roundtrip(first, n_pages, sharded, phase)
+    again = run_ranks(2, roundtrip, (l3cfg, sharded, n_pages, phase, "load", False, 0, 0, False, None, "layer_first"))
+    _assert_roundtrip(again, n_pages, sharded, phase)
+
+
 @pytest.mark.parametrize("world,sharded", [(2, True), (4, True), (2, False)])
 def test_round_trip_and_restart_with_load(l3cfg, world, sharded):
     n_pages, phase = 7, 1

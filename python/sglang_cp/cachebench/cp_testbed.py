@@ -197,8 +197,20 @@ class Rank:
 
     @staticmethod
     def _page_view(pool, row):
+        """The page's bytes in upstream's flat order (a copy where the page is not contiguous: read only)."""
         view = pool.get_data_page(row, flat=True)
         return view.view(-1).view(__import__("torch").uint8)
+
+    @staticmethod
+    def _write_page(pool, row, data):
+        """Write ``data`` (uint8, upstream's flat order) into the page at ``row``: in place where the page is
+        contiguous in the pool, else through upstream's ``set_from_flat_data_page`` (layer_first, where
+        the flat page is a copy and writing into it would change nothing)."""
+        page = pool.get_data_page(row, flat=False)
+        if page.is_contiguous():
+            page.view(-1).view(__import__("torch").uint8).copy_(data)
+        else:
+            pool.set_from_flat_data_page(row, data.view(page.dtype))
 
     def fill(self, host_indices, n_pages, salt=0):
         """Write each logical page's pattern into this rank's rows (its stripe under sharding),
@@ -208,8 +220,8 @@ class Rank:
             if self.owner_of_page_start(start) != self.rank:
                 continue
             for k, pool in self._pools():
-                view = self._page_view(pool, self.local_row(start))
-                view.copy_(page_bytes_pattern(i, view.numel(), salt + 97 * k))
+                row = self.local_row(start)
+                self._write_page(pool, row, page_bytes_pattern(i, self._page_view(pool, row).numel(), salt + 97 * k))
 
     def check(self, host_indices, n_pages, salt=0):
         """(pages checked on this rank, pages equal in every payload) for this rank's stripe."""

@@ -57,8 +57,8 @@ class Bench:
         if not self._owned(idx):
             return
         for k, pool in self.r._pools():
-            view = self.r._page_view(pool, self.r.local_row(int(idx[0])))
-            view.copy_(_pattern(h, k, view.numel()))
+            row = self.r.local_row(int(idx[0]))
+            self.r._write_page(pool, row, _pattern(h, k, self.r._page_view(pool, row).numel()))
 
     def _equal(self, h: str, idx) -> bool:
         if not self._owned(idx):
