@@ -48,11 +48,16 @@ class HostPageBytes:
         self._buffers: dict[str, HostBuffer] = {}
         # payload -> (the buffer its rows lie in, row -> the row's bytes in it)
         self._rows: dict[str, tuple[HostBuffer, dict[int, Any]]] = {}
+        # payloads whose pages are not contiguous (a layout's property, e.g. layer_first): row() answers
+        # None at once, and the caller's own get_data_page is the only one per page
+        self._strided: set[str] = set()
 
     def row(self, payload: str, pool, row: int):
         """The bytes of the page at ``row`` (upstream's ``get_data_page(row, flat=False)``) as a writable
         uint8 numpy view of its own memory, or None where that page is not contiguous (the caller
         copies). Upstream locates each row once; later calls are a lookup (see the module docstring)."""
+        if payload in self._strided:
+            return None
         kept = self._rows.get(payload)
         if kept is not None:
             buf, rows = kept
@@ -64,6 +69,7 @@ class HostPageBytes:
                 del self._rows[payload]
         page = pool.get_data_page(row, flat=False)
         if not page.is_contiguous():
+            self._strided.add(payload)
             return None
         out = self.of(payload, pool, page)
         if out is None:
