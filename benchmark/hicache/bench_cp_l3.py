@@ -32,6 +32,11 @@ python,native, all = the three; a comma-separated list works too). Every row als
 reports CPU seconds per GB (all threads of all the node's processes: what a rank's restore costs in
 cores, so what it can reach on a host with more cores than this one).
 
+``--busy-scheduler``: a Python thread per rank runs without pause through the timed prefetch, as a GPU
+server's scheduler thread does while a request waits for it. ``--gil-switch-interval-ms 0,0.5``: our rows
+once per value of the store's ``io.gil_switch_interval_ms`` (0: the interpreter's own 5 ms), which bounds
+each GIL hand-off between the busy thread and the restore's threads.
+
 The software's ceiling: point ``--dir`` at a device faster than the software, i.e. memory. On Linux >= 6.6
 tmpfs accepts O_DIRECT (``/dev/shm``); on older kernels use ext4 on a loop file in /dev/shm
 (``scripts/ram_disk.sh`` sets up either and prints the directory). The raw rows then measure memory
@@ -39,7 +44,7 @@ copies, and "x raw" says how much of the machine the software leaves on the tabl
 
     python -m benchmark.hicache.bench_cp_l3 [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
         [--cp 1,2,4[,8]] [--read-engine python|native|uring|both|all] [--backup-ack durable|written|operation|both|LIST]
-        [--zero-copy off|on|both] [--phases] [--no-file]
+        [--zero-copy off|on|both] [--phases] [--no-file] [--busy-scheduler] [--gil-switch-interval-ms 0,0.5]
 """
 
 from __future__ import annotations
@@ -219,7 +224,8 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             r.dist.barrier()
             k0 = counters()
             c1 = cpu_s()
-            with BusyScheduler(busy["switch_ms"]) if busy is not None else contextlib.nullcontext():
+            with BusyScheduler() if busy else contextlib.nullcontext() as busy_thread:
+                switch_s = sys.getswitchinterval()  # as the store's io.gil_switch_interval_ms left it
                 t1 = time.perf_counter()
                 hit, completed, hi2 = r.prefetch(tokens, timeout=600)
                 t_read = time.perf_counter() - t1
@@ -234,7 +240,9 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
                            if backend == "cp_l3" else 0)
         engine = r.backend.store.stats()["read_engine_effective"] if backend == "cp_l3" else None
         return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
-                "read_engine": engine,
+                "read_engine": engine, "switch_interval_ms": switch_s * 1e3,
+                # what the busy thread (the scheduler) still got done per second through the prefetch
+                "busy_turns_per_s": busy_thread.turns_per_s if busy_thread is not None else None,
                 "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
                 "store_read_s": store_read_s, "store_hitq_s": store_hitq_s,
@@ -364,7 +372,7 @@ def _insert_before(cfg, table, before, after):
 
 
 def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, ack="durable", zero_copy=False,
-               engine="python"):
+               engine="python", switch_ms=0.0):
     from sglang_cp.cli import write_demo_config
 
     results = []
@@ -387,7 +395,7 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         # io.threads = the raw rows' requests in flight per writer (--threads), so each ratio compares the
         # same concurrency; io.zero_copy_writes (docs_internal/l3_store.md, "Zero-copy writes under a timeout").
         io = (f"[io]\nthreads = {args.threads}\n" + ("zero_copy_writes = true\n" if zero_copy else "")
-              + f'read_engine = "{engine}"\n')
+              + f'read_engine = "{engine}"\n' + (f"gil_switch_interval_ms = {switch_ms}\n" if switch_ms else ""))
         _insert_before(cfg, "[[disks]]\n", io + "\n", "")
         file_dir = os.path.join(root, "file")
         os.makedirs(file_dir, exist_ok=True)
@@ -395,7 +403,7 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         if args.profile:
             slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
             profile = os.path.join(os.path.abspath(args.profile), f"profile-{slug}-{pages}p-rep{rep}")
-        busy = {"switch_ms": args.switch_interval_ms} if args.busy_scheduler else None
+        busy = bool(args.busy_scheduler)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
                                             args.phases, profile, busy), timeout=1200)
         if profile:
@@ -437,6 +445,11 @@ def summarize(name, results):
            "node_read_gbps": med([b / t / 1e9 for b, t in zip(node_bytes, rd)]),
            # None: an O_DIRECT row (no page cache on its path); else whether every drop before it succeeded
            "dropped": all(drops) if drops else None,
+           # the rank processes' CPython switch interval through the timed prefetch
+           "switch_interval_ms": sorted({round(r["switch_interval_ms"], 6) for rep in results for r in rep
+                                         if "switch_interval_ms" in r}),
+           "busy_turns_per_s": (med([r["busy_turns_per_s"] for rep in results for r in rep])
+                                if any(r.get("busy_turns_per_s") for rep in results for r in rep) else None),
            # CPU seconds of every process of the node (ranks, or the raw process) per GB moved
            "read_cpu_s_per_gb": med([sum(r["cpu_read"] for r in rep) / (b / 1e9) for rep, b in zip(results, node_bytes)]),
            "write_cpu_s_per_gb": med([sum(r["cpu_write"] for r in rep) / (b / 1e9)
@@ -565,7 +578,9 @@ def _row_line(s: dict, summaries: list) -> str:
             + (f"; inside the store's reads {s['store_read_gbps_rank'][0]:.2f} GB/s per rank, prefetch outside them "
                f"{s['outside_store_s'][0] * 1e3:.1f} ms (the node: "
                f"{s['outside_store_node_s'][0] * 1e3:.1f} ms past its longest store time)"
-               if s.get("store_read_gbps_rank") else ""))
+               if s.get("store_read_gbps_rank") else "")
+            + (f"; the busy thread ran {s['busy_turns_per_s'][0] / 1e3:.0f}K turns/s through the prefetch"
+               if s.get("busy_turns_per_s") else ""))
 
 
 def main():
@@ -604,12 +619,16 @@ def main():
     p.add_argument("--busy-scheduler", action="store_true",
                    help="a Python thread per rank runs without pause during the timed prefetch, as a GPU server's "
                         "scheduler loop does while a request waits (its CPU counts in the read CPU columns)")
-    p.add_argument("--switch-interval-ms", type=float, default=None,
-                   help="with --busy-scheduler: CPython's switch interval during the timed prefetch (default: "
-                        "the interpreter's, 5 ms)")
+    p.add_argument("--gil-switch-interval-ms", default="0", metavar="MS[,MS...]",
+                   help="io.gil_switch_interval_ms of our rows, one row per value (0: the interpreter's own, 5 ms)")
     args = p.parse_args()
-    if args.switch_interval_ms is not None and not args.busy_scheduler:
-        p.error("--switch-interval-ms: only with --busy-scheduler")
+    try:
+        switches = [float(x) for x in args.gil_switch_interval_ms.split(",")]
+        if not switches or any(x < 0 for x in switches):
+            raise ValueError
+    except ValueError:
+        p.error(f"--gil-switch-interval-ms: pass milliseconds >= 0, comma separated (e.g. 0,0.5), "
+                f"got {args.gil_switch_interval_ms!r}")
     if args.profile:
         pyspy_profile.pyspy_binary()
         os.makedirs(args.profile, mode=0o700, exist_ok=True)
@@ -660,28 +679,29 @@ def main():
     rows = []
     for name, backend, world, sharded, dk in configs:
         if backend != "cp_l3":
-            rows.append((name, backend, world, sharded, dk, "durable", False, "python"))
+            rows.append((name, backend, world, sharded, dk, "durable", False, "python", 0.0))
             continue
         for ack in acks:
             for zc in zcs:
                 for engine in engines:
-                    label = (name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
-                             + (f", {engine} reads" if engine != "python" else ""))
-                    rows.append((label, backend, world, sharded, dk, ack, zc, engine))
+                    for sw in switches:
+                        label = (name + (f", ack {ack}" if ack != "durable" else "") + (", zero-copy" if zc else "")
+                                 + (f", {engine} reads" if engine != "python" else "")
+                                 + (f", switch {sw:g} ms" if sw else ""))
+                        rows.append((label, backend, world, sharded, dk, ack, zc, engine, sw))
     os.makedirs(args.dir, mode=0o700, exist_ok=True)  # a scratch directory named on the command line
     workdir = tempfile.mkdtemp(dir=args.dir, prefix="bench-cp-l3-")
     summaries = []
     try:
         for pages in sizes:
-            for name, backend, world, sharded, dk, ack, zc, engine in tqdm(rows, desc=f"configs, {pages} pages"):
+            for name, backend, world, sharded, dk, ack, zc, engine, sw in tqdm(rows, desc=f"configs, {pages} pages"):
                 if backend == "raw":
                     s = summarize(name, run_raw(world, dk or [workdir], args, pages))
                 else:
                     s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack,
-                                                   zc, engine))
+                                                   zc, engine, sw))
                 s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc, read_engine=engine,
-                         busy_scheduler=({"switch_interval_ms": args.switch_interval_ms or sys.getswitchinterval() * 1e3}
-                                         if args.busy_scheduler and backend != "raw" else None))
+                         gil_switch_interval_ms=sw or None, busy_scheduler=bool(args.busy_scheduler and backend != "raw"))
                 summaries.append(s)
                 # each row as it lands (and the JSON so far): a run cut by a bound keeps what it measured
                 tqdm.write(_row_line(s, summaries))

@@ -122,7 +122,8 @@ def prompt(n: int, seed: int) -> list:
     return [rng.randrange(3, 30000) for _ in range(n)]
 
 
-def write_l3_toml(root: str, capacity_gb: float, threads: int, read_engine: str = "python") -> str:
+def write_l3_toml(root: str, capacity_gb: float, threads: int, read_engine: str = "python",
+                  switch_ms: float = 0.0) -> str:
     index, data = os.path.join(root, "index"), os.path.join(root, "data")
     for d in (index, data):
         os.makedirs(d, mode=0o700, exist_ok=True)
@@ -131,6 +132,7 @@ def write_l3_toml(root: str, capacity_gb: float, threads: int, read_engine: str 
         f.write(f'[index]\ndir = "{index}"\nmap_size_gb = 1.0\nmax_map_size_gb = 8.0\n'
                 f'[durability]\nplp_policy = "ignore"\n'
                 f'[io]\nthreads = {threads}\nmax_inflight_pages = 256\nread_engine = "{read_engine}"\n'
+                + (f"gil_switch_interval_ms = {switch_ms}\n" if switch_ms else "") +
                 f'[[disks]]\nname = "d0"\npath = "{data}"\ncapacity_gb = {capacity_gb:.1f}\n')
     return path
 
@@ -192,11 +194,17 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     if free < capacity + 5:
         raise SystemExit(f"--work-dir {args.work_dir}: {free:.0f} GB free, the L3 slabs need {capacity:.0f} GB")
     host_gb = args.hicache_size or max(4, int(1.25 * working_set / GB) + 2)
-    cfg = write_l3_toml(work, capacity, args.io_threads, args.read_engine)
+    cfg = write_l3_toml(work, capacity, args.io_threads, args.read_engine, args.gil_switch_interval_ms)
+    from sglang_cp.l3 import L3ConfigError, load_l3_config
+    try:  # a bad --io-threads or --gil-switch-interval-ms stops here, not in a server's startup
+        load_l3_config(cfg)
+    except L3ConfigError as e:
+        raise SystemExit(f"the L3 config these flags make is refused: {e}") from None
     data_dir = os.path.join(work, "data")
     res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
            "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout,
            "attention_backend": args.attention_backend, "read_engine": args.read_engine, "pd_cp": args.pd_cp,
+           "gil_switch_interval_ms": args.gil_switch_interval_ms or None,
            "decode_load": ({"clients": args.decode_load, "new_tokens": args.decode_load_tokens}
                            if args.decode_load else None)}
 
@@ -461,7 +469,8 @@ def summarize(res: dict) -> list:
                 for a, b in zip(pick("recompute", lambda r: True), pick("l3", lambda r: True))]
         load = res.get("decode_load") or {}
         out.append({
-            "model": res["model"] + (f" (decode load {load['clients']})" if load.get("clients") else ""),
+            "model": res["model"] + (f" (decode load {load['clients']})" if load.get("clients") else "")
+            + (f" (switch {res['gil_switch_interval_ms']:g} ms)" if res.get("gil_switch_interval_ms") else ""),
             "tokens": L, "decode_load": load or None,
             "recompute": med([r["ttft_s"] for r in rec]),
             "l2": med([r["ttft_s"] for r in l2]),
@@ -598,6 +607,8 @@ def main(argv=None):
     r.add_argument("--io-threads", type=int, default=8)
     r.add_argument("--read-engine", default="python", choices=["python", "native", "uring"],
                    help="io.read_engine of L3")
+    r.add_argument("--gil-switch-interval-ms", type=float, default=0.0, metavar="MS",
+                   help="io.gil_switch_interval_ms of L3 (0: the interpreter's own, 5 ms)")
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--spill-timeout", type=float, default=300)

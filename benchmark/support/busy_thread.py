@@ -1,33 +1,34 @@
 """A Python thread that never pauses: a GPU server's scheduler thread, beside code under measurement.
 
 CPython hands the GIL from a running thread to a woken one only at its switch interval
-(``sys.getswitchinterval()``, 5 ms by default), so every GIL release of the measured code (a blocking
-call, a torch or numpy operation that releases it) can wait that long for this thread. Used by the
-benchmarks' ``--busy-scheduler``. Imports no sglang.
+(``sys.getswitchinterval()``, 5 ms by default; the store's ``io.gil_switch_interval_ms`` sets it), so every
+GIL release of the measured code (a blocking call, a torch or numpy operation that releases it) can wait
+that long for this thread. Used by the benchmarks' ``--busy-scheduler``. Imports no sglang.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
+import time
 
 
 class BusyScheduler:
     """One Python thread that runs bytecode without pause inside the ``with`` block, as a GPU server's
     scheduler thread does while a request waits for its prefetch (its event loop polls without
-    sleeping); ``switch_ms`` sets CPython's switch interval for the block."""
+    sleeping). ``turns_per_s`` after the block: its loop turns per second, what the scheduler would have
+    got done meanwhile (a shorter switch interval hands the GIL over more often: this says at what cost)."""
 
-    def __init__(self, switch_ms=None):
-        self.switch_ms, self._stop, self._thread = switch_ms, threading.Event(), None
-        self._old = sys.getswitchinterval()
+    def __init__(self):
+        self._stop, self._thread = threading.Event(), None
+        self.turns, self.seconds = 0, 0.0
 
     def __enter__(self):
-        if self.switch_ms is not None:
-            sys.setswitchinterval(self.switch_ms / 1e3)
-
         def spin():
+            n, t0 = 0, time.perf_counter()
             while not self._stop.is_set():
                 sum(range(64))
+                n += 1
+            self.turns, self.seconds = n, time.perf_counter() - t0
         self._thread = threading.Thread(target=spin, name="busy-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -35,4 +36,7 @@ class BusyScheduler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        sys.setswitchinterval(self._old)
+
+    @property
+    def turns_per_s(self) -> float:
+        return self.turns / self.seconds if self.seconds > 0 else 0.0

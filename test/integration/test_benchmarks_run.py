@@ -84,26 +84,29 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     """--no-file drops upstream's file row (its columns print '-'); --backup-ack takes a list, here the
     per-operation ack through upstream's backup thread; --read-engine native restores through the C engine
     behind upstream's prefetch thread (the script checks every byte); --cp picks the CP sizes;
-    --busy-scheduler keeps a Python thread running through the timed prefetch, at a 1 ms switch interval."""
+    --busy-scheduler keeps a Python thread running through the timed prefetch, and our rows' stores set the
+    rank processes' switch interval to 1 ms (io.gil_switch_interval_ms) while the raw row keeps CPython's."""
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--json", str(out), "--no-file", "--backup-ack", "durable,operation", "--cp", "1",
-         "--read-engine", "native", "--busy-scheduler", "--switch-interval-ms", "1"],
+         "--read-engine", "native", "--busy-scheduler", "--gil-switch-interval-ms", "1"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
 
     rows = json.loads(out.read_text())
-    assert [s["name"] for s in rows] == ["raw O_DIRECT, 1 writer", "ours, CP=1, native reads",
-                                         "ours, CP=1, ack operation, native reads"]
+    assert [s["name"] for s in rows] == ["raw O_DIRECT, 1 writer", "ours, CP=1, native reads, switch 1 ms",
+                                         "ours, CP=1, ack operation, native reads, switch 1 ms"]
     assert [s["backup_ack"] for s in rows[1:]] == ["durable", "operation"]
     assert [s["read_engine"] for s in rows[1:]] == ["native", "native"]
-    assert [s["busy_scheduler"] for s in rows] == [None] + [{"switch_interval_ms": 1.0}] * 2
+    assert [s["busy_scheduler"] for s in rows] == [False, True, True]
+    assert [s["switch_interval_ms"] for s in rows[1:]] == [[1.0], [1.0]]
+    assert rows[0]["busy_turns_per_s"] is None and all(s["busy_turns_per_s"][0] > 0 for s in rows[1:]), rows
     assert all(s["read_cpu_s_per_gb"][0] > 0 for s in rows), rows  # every row reports its CPU per GB
     assert "read CPU s/GB" in proc.stdout
     # each row is printed as it lands, against its raw row: a run cut by a bound keeps what it measured
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("row done: ours, CP=1, native reads, 16 pages:"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("row done: ours, CP=1, native reads, switch 1 ms, 16 pages:"))
     assert re.search(r"node read [0-9.]+ GB/s \([0-9.]+x / [0-9.]+x raw\)", line), line
     # and splits the prefetch into the store's reads and the rest (upstream's threads and MINs)
     assert re.search(r"inside the store's reads [0-9.]+ GB/s per rank, prefetch outside them -?[0-9.]+ ms", line), line

@@ -88,6 +88,12 @@ CODE = textwrap.dedent(
                 return b, type(e).__name__ + ": " + str(e)
             return b, c.mem_pool_host
 
+    if what == "switch":  # io.gil_switch_interval_ms: set in this (the serving) process at open, undone at close
+        before = sys.getswitchinterval()
+        b, _ = backend(torch.bfloat16, "clear")
+        opened = sys.getswitchinterval()
+        b.close()
+        print("ROW", json.dumps(dict(before=before, opened=opened, closed=sys.getswitchinterval())))
     if what == "hybrid":
         import os
         b, _ = backend(torch.bfloat16, "clear")
@@ -136,15 +142,21 @@ def _rows(p):
 
 @pytest.fixture(scope="module")
 def scenario_runs(tmp_path_factory):
-    """The three scenario processes of this module, each on its own L3 directory, started together."""
+    """The scenario processes of this module, each on its own L3 directory, started together."""
     from sglang_cp.cli import write_demo_config
 
-    def cfg():
-        return write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
+    def cfg(switch_ms=None):
+        path = write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
+        if switch_ms is not None:
+            with open(path, "a") as f:
+                f.write(f"\n[io]\ngil_switch_interval_ms = {switch_ms}\n")
+        return path
     return run_all({
         "topology": _rows_job(cfg(), "topology", json.dumps([[c, a, s] for c, a, s, _ in CASES])),
         "fp8": _rows_job(cfg(), "fp8"),
         "hybrid": _rows_job(cfg(), "hybrid"),
+        "switch": _rows_job(cfg(switch_ms=0.5), "switch"),
+        "switch-off": _rows_job(cfg(), "switch"),
     }, timeout=300)
 
 
@@ -189,6 +201,14 @@ def test_fp8_formats_never_share_a_page(scenario_runs):
     assert e5m2["host"] == e4m3["host"] == "torch.uint8"
     assert e5m2["hit"] == 0, "a page written as fp8_e4m3fn was a hit under fp8_e5m2"
     assert e4m3["hit"] == 1  # control: the same format reloads it
+
+
+def test_the_serving_process_takes_the_configured_switch_interval_while_the_store_is_open(scenario_runs):
+    """io.gil_switch_interval_ms = 0.5: the scheduler process runs at 0.5 ms from the store's open to its close;
+    unset, CPython's own interval is left alone."""
+    (on,), (off,) = _rows(scenario_runs["switch"]), _rows(scenario_runs["switch-off"])
+    assert on == {"before": 0.005, "opened": 0.0005, "closed": 0.005}, on
+    assert off == {"before": 0.005, "opened": 0.005, "closed": 0.005}, off
 
 
 def test_second_owner_and_hybrid_pools_are_refused_at_attach(scenario_runs):

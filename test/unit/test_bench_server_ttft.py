@@ -149,3 +149,12 @@ def test_a_run_under_decode_load_is_labelled_with_it():
     assert row["model"] == "m (decode load 8)" and row["decode_load"]["tokens_per_s"] == 1077.9
     (idle,) = bench.summarize(_run())
     assert idle["model"] == "m" and idle["decode_load"] is None
+
+
+def test_the_l3_toml_carries_the_switch_interval_only_when_given(tmp_path):
+    from benchmark.hicache.bench_server_ttft import write_l3_toml
+    from sglang_cp.l3 import load_l3_config
+
+    assert load_l3_config(write_l3_toml(str(tmp_path / "a"), 4.0, 8, "uring")).io.gil_switch_interval_ms == 0.0
+    cfg = load_l3_config(write_l3_toml(str(tmp_path / "b"), 4.0, 8, "uring", 0.5))
+    assert (cfg.io.gil_switch_interval_ms, cfg.io.read_engine) == (0.5, "uring")

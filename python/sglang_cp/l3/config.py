@@ -73,9 +73,17 @@ class IoConfig:
     read_engine: str = "python"
     # io.read_engine = "uring": reads in flight per ring (one ring per read I/O thread).
     uring_depth: int = 64
+    # CPython's switch interval (ms) for the serving process, set when the store opens there; 0 leaves
+    # the interpreter's own (5 ms). A server's scheduler thread polls without pause while a request waits
+    # for its prefetch, so each GIL hand-off of the restore (upstream's prefetch and completion threads,
+    # our read's return) waits up to this long. docs_internal/l3_store.md, "The GIL switch interval".
+    gil_switch_interval_ms: float = 0.0
 
 
 READ_ENGINES = ("python", "native", "uring")
+# io.gil_switch_interval_ms: below 0.05 ms the interpreter would hand the GIL over faster than a thread does
+# useful work between hand-offs; above 5 ms it would be longer than CPython's own default.
+MIN_SWITCH_INTERVAL_MS, MAX_SWITCH_INTERVAL_MS = 0.05, 5.0
 MAX_URING_DEPTH = 1024  # each read in flight has its own landing slot (264 KiB), allocated at open
 
 
@@ -126,7 +134,8 @@ _SCHEMA: dict[str, set[str]] = {
     "index": {"dir", "map_size_gb", "max_map_size_gb", "digest_threads"},
     "gc": {"high_watermark", "low_watermark", "max_reclaim_per_iter"},
     "durability": {"plp_policy", "backup_ack"},
-    "io": {"threads", "max_inflight_pages", "zero_copy_writes", "read_engine", "uring_depth"},
+    "io": {"threads", "max_inflight_pages", "zero_copy_writes", "read_engine", "uring_depth",
+           "gil_switch_interval_ms"},
     "disks": {"name", "path", "capacity_gb"},
 }
 
@@ -284,7 +293,12 @@ def _parse_io(doc: dict) -> IoConfig:
     if not 2 <= depth <= MAX_URING_DEPTH:
         raise L3ConfigError(f"io.uring_depth: must be in [2, {MAX_URING_DEPTH}], got {depth}; the default is 64 "
                             "(reads in flight per read I/O thread with io.read_engine = \"uring\")")
-    return IoConfig(threads, inflight, zero_copy, engine, depth)
+    switch_ms = _number(t, "gil_switch_interval_ms", "io", 0.0)
+    if switch_ms != 0.0 and not MIN_SWITCH_INTERVAL_MS <= switch_ms <= MAX_SWITCH_INTERVAL_MS:
+        raise L3ConfigError(
+            f"io.gil_switch_interval_ms: must be 0 (leave CPython's 5 ms) or in [{MIN_SWITCH_INTERVAL_MS}, "
+            f"{MAX_SWITCH_INTERVAL_MS}], got {switch_ms}; e.g. 0.5 for drives faster than about 2 GB/s")
+    return IoConfig(threads, inflight, zero_copy, engine, depth, switch_ms)
 
 
 def _parse_disks(doc: dict) -> tuple[DiskConfig, ...]:

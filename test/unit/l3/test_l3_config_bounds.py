@@ -76,3 +76,28 @@ def test_unreadable_file_names_the_flag(l3_root, tmp_path):
         pass
     with pytest.raises(L3ConfigError, match="--cp-l3-config: cannot read"):
         load_l3_config(str(p))
+
+
+@pytest.mark.parametrize("value, msg", [
+    ("0.01", r"io\.gil_switch_interval_ms: must be 0 \(leave CPython's 5 ms\) or in \[0\.05, 5\.0\], got 0\.01; "
+             r"e\.g\. 0\.5"),
+    ("6", r"io\.gil_switch_interval_ms: must be 0 \(leave CPython's 5 ms\) or in \[0\.05, 5\.0\], got 6\.0"),
+    ("-1", r"io\.gil_switch_interval_ms: must be 0 .*got -1\.0"),
+    ("nan", r"io\.gil_switch_interval_ms: must be a finite number"),
+    ('"0.5"', r"io\.gil_switch_interval_ms: must be a number, got str '0\.5'"),
+    ("true", r"io\.gil_switch_interval_ms: must be a number, got bool True"),
+])
+def test_a_bad_switch_interval_names_the_field_and_a_value(l3_root, tmp_path, value, msg):
+    p = tmp_path / "l3.toml"
+    p.write_text(toml(l3_root, io=f"gil_switch_interval_ms = {value}"))
+    with pytest.raises(L3ConfigError, match=msg) as e:
+        load_l3_config(str(p))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, want", [("", 0.0), ("gil_switch_interval_ms = 0", 0.0),
+                                        ("gil_switch_interval_ms = 0.5", 0.5), ("gil_switch_interval_ms = 5", 5.0)])
+def test_the_switch_interval_defaults_to_leaving_cpythons_own(l3_root, tmp_path, text, want):
+    p = tmp_path / "l3.toml"
+    p.write_text(toml(l3_root, io=text))
+    assert load_l3_config(str(p)).io.gil_switch_interval_ms == want

@@ -52,6 +52,7 @@ from sglang_cp.integration.cp_l3.plan import RESTORE, PrefetchPlan, held_prefix_
 from sglang_cp.l3.errors import L3StartupError
 from sglang_cp.l3.ratelog import RateLimitedLog
 from sglang_cp.l3.recovery import DEFAULT_COLD_START
+from sglang_cp.l3.switch_interval import SwitchInterval
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class CpL3Storage(HiCacheStorage):
         self.query_ride = None  # prefetch.QueryRide: our vector on upstream's hit-count MIN, for one call
         self.placement_assert_groups = None  # gloo groups of --cp-hicache-placement-assert (debug)
         self.host_bytes = HostPageBytes()  # host-pool pages as bytes, no GIL release per page (host_views)
+        self.switch_interval: Optional[SwitchInterval] = None  # io.gil_switch_interval_ms, set at store open
         self._log = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ setup
@@ -211,6 +213,8 @@ class CpL3Storage(HiCacheStorage):
         ))
         self.payloads = payloads
         RESTORE.attach(self, self.shard_size)  # the restore path's hooks act from here on (prefetch.py)
+        # This is the serving process (upstream's scheduler): its GIL hand-offs bound a restore's waits.
+        self.switch_interval = SwitchInterval(cfg.io.gil_switch_interval_ms)
         self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
         logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s, backup ack %s",
                     self.identity.label(), self.shard_rank, self.shard_size, payloads,
@@ -505,6 +509,8 @@ class CpL3Storage(HiCacheStorage):
 
     def close(self) -> None:
         RESTORE.detach(self)
+        if self.switch_interval is not None:
+            self.switch_interval.restore()
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
