@@ -76,7 +76,7 @@ class IoConfig:
     # CPython's switch interval (ms) for the serving process, set when the store opens there; 0 leaves
     # the interpreter's own (5 ms). A server's scheduler thread polls without pause while a request waits
     # for its prefetch, so each GIL hand-off of the restore (upstream's prefetch and completion threads,
-    # our read's return) waits up to this long. docs_internal/l3_store.md, "The GIL switch interval".
+    # our read's return) waits up to this long. docs_internal/cp_l3_integration.md, item 6.
     gil_switch_interval_ms: float = 0.0
 
 
