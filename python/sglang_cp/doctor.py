@@ -155,6 +155,8 @@ def check_l3_config(path: str) -> Iterable[Row]:
         yield _native_read_engine_row()
     if cfg.io.read_engine == "uring":
         yield _uring_read_engine_row()
+    if cfg.io.read_engine != "python":
+        yield _switch_interval_row(cfg.io.gil_switch_interval_ms)
     for disk in cfg.disks:
         ok, detail = probe_odirect(disk.path)
         yield Row("l3 disk", f"{disk.name}: {disk.path}", OK if ok else FAIL, f"O_DIRECT: {detail}")
@@ -240,6 +242,17 @@ def _uring_read_engine_row() -> Row:
         return Row("l3 io", item, WARN, f"io_uring refused ({refused}): the store reads with read_engine_effective = "
                    f"native; to use io_uring, {refused.fix()}")
     return Row("l3 io", item, OK, "io_uring available: read_engine_effective = uring")
+
+
+def _switch_interval_row(ms: float) -> Row:
+    """A fast-drive engine: say how long a restore's GIL hand-offs may wait beside the server's busy
+    scheduler thread (io.gil_switch_interval_ms); advice, never a failure."""
+    if ms:
+        return Row("l3 io", f"gil_switch_interval_ms = {ms:g}", INFO,
+                   f"the server's scheduler process runs at a {ms:g} ms switch interval while the store is open")
+    return Row("l3 io", "gil_switch_interval_ms = 0", INFO,
+               "CPython's 5 ms: each GIL hand-off of a restore beside the server's busy scheduler thread can wait "
+               "that long; for drives faster than about 2 GB/s set it to 0.5 (docs/configuration.md)")
 
 
 def _native_digest_row(threads: int) -> Row:

@@ -107,6 +107,13 @@ def test_doctor_checks_the_native_library_or_names_the_fix(disk_tmp, monkeypatch
     assert rows["digest_threads = 2"].status == doctor.OK and "checked against hashlib" in rows["digest_threads = 2"].detail
     engine = rows["read_engine = native"]
     assert engine.status in (doctor.OK, doctor.WARN) and "native library" in engine.detail, engine
+    # a fast-drive engine: the switch interval's advice, INFO (never a failure)
+    hint = rows["gil_switch_interval_ms = 0"]
+    assert hint.status == doctor.INFO and "set it to 0.5" in hint.detail, hint
+    text = open(cfg_path).read()
+    open(cfg_path, "w").write(text.replace('read_engine = "native"\n', 'read_engine = "native"\ngil_switch_interval_ms = 0.5\n'))
+    rows = {r.item: r for r in doctor.check_l3_config(cfg_path)}
+    assert rows["gil_switch_interval_ms = 0.5"].status == doctor.INFO, rows
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "library_path", lambda: None)
     rows = {r.item: r for r in doctor.check_l3_config(cfg_path)}
