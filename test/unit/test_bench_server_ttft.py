@@ -151,6 +151,13 @@ def test_a_run_under_decode_load_is_labelled_with_it():
     assert idle["model"] == "m" and idle["decode_load"] is None
 
 
+def test_a_run_with_a_switch_interval_is_labelled_with_it():
+    run = _run()
+    run["gil_switch_interval_ms"] = 0.5
+    (row,) = bench.summarize(run)
+    assert row["model"] == "m (switch 0.5 ms)"
+
+
 def test_the_l3_toml_carries_the_switch_interval_only_when_given(tmp_path):
     from benchmark.hicache.bench_server_ttft import write_l3_toml
     from sglang_cp.l3 import load_l3_config
