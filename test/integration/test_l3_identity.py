@@ -75,9 +75,9 @@ CODE = textwrap.dedent(
         spawn(sa, 0, None)
         tokens = torch.arange(64, dtype=torch.int64)
 
-        def backend(dtype, cold_start, sidecar=None):
+        def backend(dtype, cold_start, sidecar=None, l3_config=cfg):
             c = controller(dtype)
-            sc = c._generate_storage_config("m", dict(extra, cp_l3_cold_start=cold_start))
+            sc = c._generate_storage_config("m", dict(extra, cp_l3_cold_start=cold_start, cp_l3_config=l3_config))
             b = CpL3Storage(sc)
             b.register_mem_pool_host(c.mem_pool_host)
             if sidecar is not None:
@@ -89,11 +89,15 @@ CODE = textwrap.dedent(
             return b, c.mem_pool_host
 
     if what == "switch":  # io.gil_switch_interval_ms: set in this (the serving) process at open, undone at close
-        before = sys.getswitchinterval()
-        b, _ = backend(torch.bfloat16, "clear")
-        opened = sys.getswitchinterval()
-        b.close()
-        print("ROW", json.dumps(dict(before=before, opened=opened, closed=sys.getswitchinterval())))
+        switched = cfg + ".switch.toml"  # the same directories, with the setting
+        with open(switched, "w") as f:
+            f.write(open(cfg).read() + "\\n[io]\\ngil_switch_interval_ms = 0.5\\n")
+        for path in (cfg, switched):  # unset first (CPython's own is left alone), then 0.5
+            before = sys.getswitchinterval()
+            b, _ = backend(torch.bfloat16, "clear", l3_config=path)
+            opened = sys.getswitchinterval()
+            b.close()
+            print("ROW", json.dumps(dict(before=before, opened=opened, closed=sys.getswitchinterval())))
     if what == "hybrid":
         import os
         b, _ = backend(torch.bfloat16, "clear")
@@ -145,18 +149,13 @@ def scenario_runs(tmp_path_factory):
     """The scenario processes of this module, each on its own L3 directory, started together."""
     from sglang_cp.cli import write_demo_config
 
-    def cfg(switch_ms=None):
-        path = write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
-        if switch_ms is not None:
-            with open(path, "a") as f:
-                f.write(f"\n[io]\ngil_switch_interval_ms = {switch_ms}\n")
-        return path
+    def cfg():
+        return write_demo_config(str(tmp_path_factory.mktemp("disk") / "l3"), capacity_gb=0.05)
     return run_all({
         "topology": _rows_job(cfg(), "topology", json.dumps([[c, a, s] for c, a, s, _ in CASES])),
         "fp8": _rows_job(cfg(), "fp8"),
         "hybrid": _rows_job(cfg(), "hybrid"),
-        "switch": _rows_job(cfg(switch_ms=0.5), "switch"),
-        "switch-off": _rows_job(cfg(), "switch"),
+        "switch": _rows_job(cfg(), "switch"),
     }, timeout=300)
 
 
@@ -206,7 +205,7 @@ def test_fp8_formats_never_share_a_page(scenario_runs):
 def test_the_serving_process_takes_the_configured_switch_interval_while_the_store_is_open(scenario_runs):
     """io.gil_switch_interval_ms = 0.5: the scheduler process runs at 0.5 ms from the store's open to its close;
     unset, CPython's own interval is left alone."""
-    (on,), (off,) = _rows(scenario_runs["switch"]), _rows(scenario_runs["switch-off"])
+    off, on = _rows(scenario_runs["switch"])
     assert on == {"before": 0.005, "opened": 0.0005, "closed": 0.005}, on
     assert off == {"before": 0.005, "opened": 0.005, "closed": 0.005}, off
 

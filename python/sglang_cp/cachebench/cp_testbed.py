@@ -202,11 +202,12 @@ class Rank:
         return view.view(-1).view(__import__("torch").uint8)
 
     @staticmethod
-    def _write_page(pool, row, data):
-        """Write ``data`` (uint8, upstream's flat order) into the page at ``row``: in place where the page is
-        contiguous in the pool, else through upstream's ``set_from_flat_data_page`` (layer_first, where
-        the flat page is a copy and writing into it would change nothing)."""
+    def _write_page(pool, row, pattern):
+        """Write ``pattern(nbytes)`` (uint8, upstream's flat order) into the page at ``row``: in place where
+        the page is contiguous in the pool, else through upstream's ``set_from_flat_data_page`` (layer_first,
+        where the flat page is a copy and writing into it would change nothing)."""
         page = pool.get_data_page(row, flat=False)
+        data = pattern(page.numel() * page.element_size())
         if page.is_contiguous():
             page.view(-1).view(__import__("torch").uint8).copy_(data)
         else:
@@ -221,7 +222,7 @@ class Rank:
                 continue
             for k, pool in self._pools():
                 row = self.local_row(start)
-                self._write_page(pool, row, page_bytes_pattern(i, self._page_view(pool, row).numel(), salt + 97 * k))
+                self._write_page(pool, row, lambda n: page_bytes_pattern(i, n, salt + 97 * k))
 
     def check(self, host_indices, n_pages, salt=0):
         """(pages checked on this rank, pages equal in every payload) for this rank's stripe."""

@@ -58,7 +58,7 @@ class Bench:
             return
         for k, pool in self.r._pools():
             row = self.r.local_row(int(idx[0]))
-            self.r._write_page(pool, row, _pattern(h, k, self.r._page_view(pool, row).numel()))
+            self.r._write_page(pool, row, lambda n: _pattern(h, k, n))
 
     def _equal(self, h: str, idx) -> bool:
         if not self._owned(idx):
