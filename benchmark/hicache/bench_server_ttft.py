@@ -123,11 +123,11 @@ def prompt(n: int, seed: int) -> list:
 
 
 def write_l3_toml(root: str, capacity_gb: float, threads: int, read_engine: str = "python",
-                  switch_ms: float = 0.0) -> str:
+                  switch_ms: float = 0.0, name: str = "l3.toml") -> str:
     index, data = os.path.join(root, "index"), os.path.join(root, "data")
     for d in (index, data):
         os.makedirs(d, mode=0o700, exist_ok=True)
-    path = os.path.join(root, "l3.toml")
+    path = os.path.join(root, name)
     with open(path, "w") as f:
         f.write(f'[index]\ndir = "{index}"\nmap_size_gb = 1.0\nmax_map_size_gb = 8.0\n'
                 f'[durability]\nplp_policy = "ignore"\n'
@@ -194,17 +194,22 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     if free < capacity + 5:
         raise SystemExit(f"--work-dir {args.work_dir}: {free:.0f} GB free, the L3 slabs need {capacity:.0f} GB")
     host_gb = args.hicache_size or max(4, int(1.25 * working_set / GB) + 2)
-    cfg = write_l3_toml(work, capacity, args.io_threads, args.read_engine, args.gil_switch_interval_ms)
+    switches = args.gil_switch_interval_ms
+    # one L3 config per switch interval, all on one data directory: server A spills with the first, and
+    # each server B restores the same pages with its own
+    cfgs = [write_l3_toml(work, capacity, args.io_threads, args.read_engine, ms,
+                          name="l3.toml" if i == 0 else f"l3-switch{i}.toml") for i, ms in enumerate(switches)]
     from sglang_cp.l3 import L3ConfigError, load_l3_config
     try:  # a bad --io-threads or --gil-switch-interval-ms stops here, not in a server's startup
-        load_l3_config(cfg)
+        for cfg in cfgs:
+            load_l3_config(cfg)
     except L3ConfigError as e:
         raise SystemExit(f"the L3 config these flags make is refused: {e}") from None
     data_dir = os.path.join(work, "data")
     res = {"model": os.path.basename(model), "kv_bytes_per_token": per_tok, "lengths": lengths, "reps": reps,
            "host_pool_gb": host_gb, "l3_capacity_gb": round(capacity, 1), "mem_layout": args.mem_layout,
            "attention_backend": args.attention_backend, "read_engine": args.read_engine, "pd_cp": args.pd_cp,
-           "gil_switch_interval_ms": args.gil_switch_interval_ms or None,
+           "gil_switch_interval_ms": switches[0] or None, "switch_compared": len(switches) > 1,
            "decode_load": ({"clients": args.decode_load, "new_tokens": args.decode_load_tokens}
                            if args.decode_load else None)}
 
@@ -231,7 +236,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     res["attention_backend"] = common["attention_backend"]
     res["server_flags"] = model_flags + ["--attention-backend", common["attention_backend"]]
 
-    def flags(cold):
+    def flags(cold, cfg):
         return model_flags + ["--enable-hierarchical-cache", "--hicache-size", str(host_gb),
                 "--hicache-mem-layout", args.mem_layout,
                 "--hicache-write-policy", "write_through",
@@ -248,8 +253,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
                 "device": r.device_tokens, "host": r.host_tokens, "storage": r.storage_tokens,
                 **request_stages(r)}
 
-    rows = {"recompute": [], "l2": [], "l3": [], "device": []}
-    a = make_server(model, f"{name}-A", flags("clear"), model_flags, common, args, ServerProcess)
+    rows = {"recompute": [], "l2": []}  # server A's; each server B adds its "l3" and "device" rows
+    a = make_server(model, f"{name}-A", flags("clear", cfgs[0]), model_flags, common, args, ServerProcess)
     a.start()
     res["startup_s_A"] = round(a.startup_s, 1)
     try:
@@ -280,7 +285,31 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     finally:
         a.stop()
 
-    b = make_server(model, f"{name}-B", flags("load"), model_flags, common, args, ServerProcess)
+    per_switch = []
+    for k, (ms, cfg) in enumerate(zip(switches, cfgs)):
+        per_switch.append(restore_with(model, name if k == 0 else f"{name}-switch{ms:g}", flags("load", cfg),
+                                       model_flags, common, args, ServerProcess, P, lengths, extra, rec, warm))
+    raw1 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
+    log(f"[{name}] raw (end): write {raw1['write_gbps']:.2f} GB/s, read {raw1['read_gbps']:.2f} GB/s")
+    res["raw"] = [raw0, raw1]
+    shutil.rmtree(work, ignore_errors=True)
+    out = []
+    for ms, b_res in zip(switches, per_switch):
+        r = {**res, **{k: v for k, v in b_res.items() if k != "rows"}, "gil_switch_interval_ms": ms or None}
+        r["rows"] = {"recompute": rows["recompute"], "l2": rows["l2"], **b_res["rows"]}
+        if args.decode_load:
+            r["decode_load"] = {**res["decode_load"], **b_res.get("decode_load_during", {})}
+        r.pop("decode_load_during", None)
+        out.append(r)
+    return out
+
+
+def restore_with(model, name, flags, model_flags, common, args, ServerProcess, P, lengths, extra, rec, warm) -> dict:
+    """One server B: started on server A's L3 with ``--cp-l3-cold-start load`` and an empty host pool, each
+    prompt restored from L3 and then sent again as a device hit. Its rows, counters and startup time."""
+    rows = {"l3": [], "device": []}
+    res = {}
+    b = make_server(model, f"{name}-B", flags, model_flags, common, args, ServerProcess)
     b.start()
     res["startup_s_B"] = round(b.startup_s, 1)
     try:
@@ -294,7 +323,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
         with load:
             restore_rows(b, P, lengths, rows, rec, name)
         if args.decode_load:
-            res["decode_load"].update(load.during)
+            res["decode_load_during"] = dict(load.during)
             log(f"[{name}] decode load during the restores: {load.during}")
         if extra:
             try:
@@ -305,12 +334,7 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
         res["metrics_B"] = {k: v for k, v in b.metrics().items() if k.startswith("sglang:cp_l3")}
     finally:
         b.stop()
-
-    raw1 = rawdisk.measure(data_dir, int(args.raw_gib * (1 << 30)), threads=args.io_threads)
-    log(f"[{name}] raw (end): write {raw1['write_gbps']:.2f} GB/s, read {raw1['read_gbps']:.2f} GB/s")
-    res["raw"] = [raw0, raw1]
     res["rows"] = rows
-    shutil.rmtree(work, ignore_errors=True)
     return res
 
 
@@ -443,6 +467,26 @@ def store_deltas(before_text: str, after_text: str) -> dict:
     return row
 
 
+def switch_label(res: dict) -> str:
+    """A row's switch interval when it was set, or when the run compared several (then CPython's own, 5 ms,
+    is named too)."""
+    ms = res.get("gil_switch_interval_ms")
+    if ms:
+        return f" (switch {ms:g} ms)"
+    return " (switch 5 ms, CPython's)" if res.get("switch_compared") else ""
+
+
+def switch_list(text: str) -> list:
+    """--gil-switch-interval-ms: one value or a comma-separated list (0: the interpreter's own)."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds, e.g. 0,0.5") from None
+    if not vals or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more distinct values in milliseconds, e.g. 0,0.5")
+    return vals
+
+
 def summarize(res: dict) -> list:
     """One table row per (model, length) from a run_model() result."""
     raw_read = statistics.mean(r["read_gbps"] for r in res["raw"])
@@ -470,7 +514,7 @@ def summarize(res: dict) -> list:
         load = res.get("decode_load") or {}
         out.append({
             "model": res["model"] + (f" (decode load {load['clients']})" if load.get("clients") else "")
-            + (f" (switch {res['gil_switch_interval_ms']:g} ms)" if res.get("gil_switch_interval_ms") else ""),
+            + switch_label(res),
             "tokens": L, "decode_load": load or None,
             "recompute": med([r["ttft_s"] for r in rec]),
             "l2": med([r["ttft_s"] for r in l2]),
@@ -607,8 +651,9 @@ def main(argv=None):
     r.add_argument("--io-threads", type=int, default=8)
     r.add_argument("--read-engine", default="python", choices=["python", "native", "uring"],
                    help="io.read_engine of L3")
-    r.add_argument("--gil-switch-interval-ms", type=float, default=0.0, metavar="MS",
-                   help="io.gil_switch_interval_ms of L3 (0: the interpreter's own, 5 ms)")
+    r.add_argument("--gil-switch-interval-ms", type=switch_list, default=[0.0], metavar="MS[,MS...]",
+                   help="io.gil_switch_interval_ms of L3 (0: the interpreter's own, 5 ms); with several values "
+                        "one server B per value restores server A's pages, one row each in the same run")
     r.add_argument("--raw-gib", type=float, default=4.0)
     r.add_argument("--startup-timeout", type=float, default=600)
     r.add_argument("--spill-timeout", type=float, default=300)
@@ -651,7 +696,7 @@ def main(argv=None):
         name, _, lens = spec.partition(":")
         lengths = [int(x) for x in lens.split(",") if x] or [8192, 32768, 131072]
         try:
-            results.append(run_model(name, lengths, args, ServerProcess, rawdisk))
+            results += run_model(name, lengths, args, ServerProcess, rawdisk)
         except ServerStartError as e:
             log(f"[{name}] server did not start: {e}")
             results.append({"model": name, "error": str(e)[-3000:]})

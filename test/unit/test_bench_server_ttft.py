@@ -165,3 +165,84 @@ def test_the_l3_toml_carries_the_switch_interval_only_when_given(tmp_path):
     assert load_l3_config(write_l3_toml(str(tmp_path / "a"), 4.0, 8, "uring")).io.gil_switch_interval_ms == 0.0
     cfg = load_l3_config(write_l3_toml(str(tmp_path / "b"), 4.0, 8, "uring", 0.5))
     assert (cfg.io.gil_switch_interval_ms, cfg.io.read_engine) == (0.5, "uring")
+
+
+class _ScriptedServer:
+    """Answers like a real server would for run_model's sequence: server A recomputes a prompt, then
+    serves it from its host pool; a server B started with ``--cp-l3-cold-start load`` serves a prompt's
+    first send from storage and the second from the device. Spill counters report every page spilled.
+    It records each server's L3 config so the test can read what that server was given."""
+
+    started: list = []
+
+    def __init__(self, model, flags, log_path=None, **common):
+        self.flags, self.seen, self.startup_s = list(flags), set(), 1.0
+        self.restoring = flags[flags.index("--cp-l3-cold-start") + 1] == "load"
+        from sglang_cp.l3 import load_l3_config
+
+        self.l3 = load_l3_config(flags[flags.index("--cp-l3-config") + 1])  # run_model removes it at the end
+        self.proc = type("P", (), {"pid": __import__("os").getpid()})()
+
+    def start(self):
+        _ScriptedServer.started.append(self)
+        return self
+
+    def stop(self):
+        pass
+
+    def generate(self, ids, n, timeout_s=None):
+        from benchmark.support.server_process import GenResult
+
+        cached = (len(ids) - 1) // 64 * 64
+        key, first = tuple(ids), tuple(ids) not in self.seen
+        self.seen.add(key)
+        where = ("storage" if first else "device") if self.restoring else (None if first else "host")
+        return GenResult(output_ids=[7], latency_s=0.3 if first else 0.1,
+                         meta_info={"cached_tokens_details": {where: cached} if where else {}})
+
+    def metric_by_label(self, name, label):
+        return {"kv": 1e9}
+
+    def metrics(self):
+        return {"sglang:cp_l3_reload_bytes_total": 0.0}
+
+    def metrics_text(self):
+        return ""
+
+
+def test_several_switch_intervals_restore_one_servers_pages_in_one_run(tmp_path, monkeypatch):
+    """--gil-switch-interval-ms 0,0.5: one server A spills, then one server B per value restores its pages
+    with an L3 config carrying that value (same data directory); every value gets its own rows, labelled,
+    beside server A's shared recompute and L2 rows, and one raw probe pair."""
+    from sglang_cp.cachebench import rawdisk
+
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    _ScriptedServer.started = []
+    args = bench.main.__globals__["argparse"].Namespace(
+        reps=1, work_dir=str(tmp_path / "w"), out_dir=str(tmp_path / "o"), hicache_size=4, mem_layout="page_first",
+        mem_fraction=0.8, attention_backend="triton", kv_cache_dtype="", server_arg=None, io_threads=2,
+        read_engine="uring", gil_switch_interval_ms=bench.switch_list("0,0.5"), raw_gib=0.01, startup_timeout=5,
+        spill_timeout=5, decode_load=0, decode_load_tokens=256, profile=False, pd_cp=0)
+    (tmp_path / "w").mkdir()
+    runs = bench.run_model("glm5", [256], args, _ScriptedServer, rawdisk)
+    a, *bs = _ScriptedServer.started
+    assert not a.restoring and [b.restoring for b in bs] == [True, True]
+    cfgs = [s.l3 for s in _ScriptedServer.started]
+    assert [c.io.gil_switch_interval_ms for c in cfgs] == [0.0, 0.0, 0.5]
+    assert len({c.disks[0].path for c in cfgs}) == 1  # every B restores A's pages
+    assert [r["gil_switch_interval_ms"] for r in runs] == [None, 0.5]
+    assert runs[0]["rows"]["recompute"] is runs[1]["rows"]["recompute"] and runs[0]["raw"] == runs[1]["raw"]
+    rows = [bench.summarize(r)[0] for r in runs]
+    assert [r["model"] for r in rows] == ["glm5-shaped-78l (switch 5 ms, CPython's)", "glm5-shaped-78l (switch 0.5 ms)"]
+    assert all(r["l3"]["n"] == 1 and r["device_floor"]["n"] == 1 for r in rows)
+
+
+def test_the_switch_interval_list_is_checked_where_it_is_given():
+    import argparse
+
+    import pytest
+
+    assert bench.switch_list("0") == [0.0] and bench.switch_list("0,0.5") == [0.0, 0.5]
+    for bad in ("x", "0,0", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="e.g. 0,0.5"):
+            bench.switch_list(bad)
