@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -73,7 +74,9 @@ for layout, tokens in (("layer_first", 64 * 70), ("page_first", 64 * 70)):
         continue
     r["slabs"] = [len(m.plan.slabs), len(mi.plan.slabs)]
     r["layer_num"] = kv.layer_num
-    sp = kv._sglang_cp_l2_splitter
+    # Our state lives on our allocator, never on upstream's pool objects.
+    r["cp_attrs_on_pools"] = [k for pool in (kv, idx) for k in vars(pool) if "sglang_cp" in k or "cp_l2" in k]
+    sp = kv.allocator.slab_splitter
     r["cuts"] = sp.cuts
     # Splitter vs the real upstream views: every group's rows of every layer in one slab.
     g = torch.Generator().manual_seed(3)
@@ -155,6 +158,7 @@ def test_flag_on_gives_every_pool_hugetlbfs_slabs(hugetlbfs_mount):
         assert any(".kv-mla." in f for f in r["files"]) and any(".indexer-dsa." in f for f in r["files"])
         assert all(f".{layout}-" in f for f in r["files"])
         assert r["cuts"] and r["groups"] > 1 and r["bad_groups"] == 0
+        assert r["cp_attrs_on_pools"] == [], "our state is on our allocator, not on upstream's pools"
         assert r["page_roundtrip"] and r["file_has_page"]
         assert r["files_after_destroy"] == [], "clean shutdown removes the slab files"
     assert "drop one of the two" in out["mooncake"]
@@ -176,7 +180,7 @@ def test_transfer_hooks_split_memcpy_backends_and_leave_kernel_alone():
     import torch
 
     pool = _Pool()
-    setattr(pool, hook.SPLITTER_ATTR, SlabSplitter([128]))
+    pool.allocator = types.SimpleNamespace(slab_splitter=SlabSplitter([128]))
     calls = []
 
     def original(self, device_pool, h, d, *rest, **kw):

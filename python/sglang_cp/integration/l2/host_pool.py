@@ -10,13 +10,19 @@ Upstream symbols hooked, and why each:
 - ``pool_host.base.HostKVCache._allocate_host_buffer`` and
   ``pool_host.dsa.DSAIndexerPoolHost.init_kv_buffer`` (AROUND): the allocator only sees
   ``dims``; these are the last places that know the pool's layout and page size, so
-  they publish the page unit (slab boundaries must not cut a page) and, afterwards,
-  the token axis used to split transfers.
+  they hand the pool's own allocator (ours, one per pool) the page unit for the
+  duration of the call (slab boundaries must not cut a page) and, afterwards, the
+  splitter its transfers use (``CpHugepageHostTensorAllocator.geometry`` / ``.slab_splitter``:
+  our object holds our state; nothing is hung on upstream's pool).
 - ``pool_host.base.HostKVCache._allocate_host_buffer`` and
   ``pool_host.dsa.DSAIndexerPoolHost.__init__`` also open the scope in which
   ``pool_host.base.host_memory_budget_bytes`` (AROUND) skips upstream's psutil RAM
   check: hugepages are carved out of RAM, so ``available`` already excludes them and
-  the check refuses pools that fit; the hugetlbfs preflight replaces it.
+  the check refuses pools that fit; the hugetlbfs preflight replaces it. That scope is a
+  ``ContextVar`` set and reset in the one frame that calls upstream: the budget function
+  takes only a byte count and also serves upstream's host-pool auto-sizing and other
+  pools, whose checks must stay real, so nothing but the calling frame can say "this
+  check is for a hugetlbfs pool". It is never read after that call returns.
 - ``pool_host.common._cuda_host_register`` / ``_cuda_host_unregister`` (AROUND):
   upstream registers layer_first pools in one call (page-first in chunks); for our
   buffers each slab is exactly one registration.
@@ -50,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 _PH = "sglang.srt.mem_cache.pool_host"
 REGISTERED_RANGES_ATTR = "_sglang_cuda_host_registered_ranges"  # upstream's name (common.py)
-SPLITTER_ATTR = "_sglang_cp_l2_splitter"
 # Storage backends that bring their own host allocator (upstream common.py).
 _FOREIGN_ALLOCATORS = ("mooncake", "mori", "shm", "tensorcast")
 
@@ -62,7 +67,6 @@ class PoolGeometry:
     unit_bytes: int  # bytes of one page unit: a slab boundary must not cut one
 
 
-_POOL: ContextVar[Optional[PoolGeometry]] = ContextVar("sglang_cp_l2_pool", default=None)
 _SKIP_RAM_CHECK: ContextVar[bool] = ContextVar("sglang_cp_l2_skip_ram", default=False)
 _cores: dict = {}
 _cores_lock = threading.Lock()
@@ -114,16 +118,25 @@ def _allocator_class():
     from sglang.srt.mem_cache.pool_host.common import HostTensorAllocator
 
     class CpHugepageHostTensorAllocator(HostTensorAllocator):
-        """Upstream's allocator interface over sglang_cp.l2's hugetlbfs slabs."""
+        """Upstream's allocator interface over sglang_cp.l2's hugetlbfs slabs; one per host pool
+        (upstream asks ``get_allocator_from_storage`` once per pool). Besides the shared slab
+        allocator (``core``) it holds what the pool's hooks know and the allocator does not:
+
+        - ``geometry``: the pool's page unit and layout, set by the pool's allocation hook
+          for the duration of that one call (None otherwise: a request then is refused);
+        - ``slab_splitter``: how the pool's memcpy transfers are cut at slab boundaries, set
+          once its buffer exists (None: nothing to split)."""
 
         def __init__(self, core):
             super().__init__()
             self.core = core
+            self.geometry: Optional[PoolGeometry] = None
+            self.slab_splitter = None
 
         def allocate(self, dims, dtype, device):
             if device != "cpu":
                 raise ValueError(f"HiCache host pools live in host memory; got device={device!r}")
-            geometry = _POOL.get()
+            geometry = self.geometry
             if geometry is None:
                 from sglang_cp.l2.errors import SlabPlanError
 
@@ -205,32 +218,27 @@ def dsa_geometry(pool) -> Optional[tuple[PoolGeometry, object]]:
     return None
 
 
-def _install_splitter(pool, buffer, axis_factory) -> None:
+def _install_splitter(allocator, buffer, axis_factory) -> None:
     from sglang_cp.l2.allocator import slabs_of
     from sglang_cp.l2.transfer_split import SlabSplitter, token_cuts
 
     mapping = slabs_of(buffer) if buffer is not None else None
     if mapping is None:
         return
-    splitter = SlabSplitter(token_cuts(mapping.plan, axis_factory()))
-    setattr(pool, SPLITTER_ATTR, splitter)
+    allocator.slab_splitter = SlabSplitter(token_cuts(mapping.plan, axis_factory()))
 
 
 def _with_geometry(geometry_fn, pool, call):
+    """Run upstream's allocation ``call`` of ``pool`` with its geometry on the pool's allocator
+    (ours); an unknown geometry leaves None there, and the allocator refuses naming the pool."""
     found = geometry_fn(pool)
-    if found is None:
-        # The allocator refuses with a message naming the pool; nothing to publish here.
-        token = _POOL.set(None)
-        try:
-            return call(), None
-        finally:
-            _POOL.reset(token)
-    geometry, axis = found
-    token = _POOL.set(geometry)
+    geometry, axis = found if found is not None else (None, None)
+    allocator = pool.allocator
+    allocator.geometry = geometry
     try:
         return call(), axis
     finally:
-        _POOL.reset(token)
+        allocator.geometry = None
 
 
 def allocate_host_buffer_around(original, self, *args, **kwargs):
@@ -245,7 +253,7 @@ def allocate_host_buffer_around(original, self, *args, **kwargs):
     finally:
         _SKIP_RAM_CHECK.reset(skip)
     if axis is not None:
-        _install_splitter(self, getattr(self, "kv_buffer", None), axis)
+        _install_splitter(self.allocator, getattr(self, "kv_buffer", None), axis)
     return result
 
 
@@ -264,7 +272,7 @@ def dsa_init_kv_buffer_around(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
     result, axis = _with_geometry(dsa_geometry, self, lambda: original(self, *args, **kwargs))
     if axis is not None:
-        _install_splitter(self, getattr(self, "index_k_with_scale_buffer", None), axis)
+        _install_splitter(self.allocator, getattr(self, "index_k_with_scale_buffer", None), axis)
     return result
 
 
@@ -312,10 +320,14 @@ def cuda_host_unregister_around(original, buffer, *args, **kwargs):
 
 
 # ---------------------------------------------------------------- transfers
+def _splitter_of(pool):
+    """The slab splitter our allocator holds for this pool (None for upstream's allocators)."""
+    return getattr(getattr(pool, "allocator", None), "slab_splitter", None)
+
 
 
 def backup_all_layer_around(original, self, device_pool, host_indices, device_indices, io_backend):
-    splitter = getattr(self, SPLITTER_ATTR, None)
+    splitter = _splitter_of(self)
     if splitter is None or splitter.trivial or io_backend == "kernel":
         return original(self, device_pool, host_indices, device_indices, io_backend)
     for h, d in splitter.split(host_indices, device_indices):
@@ -324,7 +336,7 @@ def backup_all_layer_around(original, self, device_pool, host_indices, device_in
 
 
 def load_per_layer_around(original, self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
-    splitter = getattr(self, SPLITTER_ATTR, None)
+    splitter = _splitter_of(self)
     if splitter is None or splitter.trivial or io_backend == "kernel":
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
     for h, d in splitter.split(host_indices, device_indices):
