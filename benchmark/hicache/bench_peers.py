@@ -293,10 +293,15 @@ def storage_counters(srv):
     """The server's storage counters (``peer_report.STORAGE_COUNTERS``, summed over ranks) from its
     ``/metrics``, or None when it cannot be read (the row then says nothing, rather than zeros)."""
     try:
-        got = srv.metrics(timeout_s=10)
+        text = srv.metrics_text(timeout_s=10)
     except (OSError, ValueError):
         return None
-    return {name: got.get(name, 0.0) for name in peer_report.STORAGE_COUNTERS}
+    summed, by_outcome = harness.parse_metrics(text), harness.parse_metrics(text, by_label="outcome")
+    out = {}
+    for name in peer_report.STORAGE_COUNTERS:
+        metric, outcome = peer_report.split_counter(name)
+        out[name] = summed.get(metric, 0.0) if outcome is None else by_outcome.get(metric, {}).get(outcome, 0.0)
+    return out
 
 
 def counter_deltas(before, after):

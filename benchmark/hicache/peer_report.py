@@ -80,7 +80,20 @@ STORAGE_COUNTERS = {
     "sglang:cp_l3_spill_pages_total": "L3 pages written",
     "sglang:cp_l3_gc_reclaimed_total": "L3 pages reclaimed",
     "sglang:cp_l3_write_errors_total": "L3 write errors",
+    # upstream's own prefetch outcomes, which only our tier exports (integration/cp_l3/prefetch_outcomes.py):
+    # why a prefix storage held was not fetched
+    'sglang:cp_l3_prefetch_outcomes_total{outcome="declined_too_short"}': "prefetch declined: too short",
+    'sglang:cp_l3_prefetch_outcomes_total{outcome="declined_rate_limited"}': "prefetch declined: rate limited",
+    'sglang:cp_l3_prefetch_outcomes_total{outcome="declined_anchor_lost"}': "prefetch declined: anchor lost",
+    'sglang:cp_l3_prefetch_outcomes_total{outcome="revoked_insufficient"}': "prefetch revoked: short hit",
+    'sglang:cp_l3_prefetch_outcomes_total{outcome="revoked_full_miss"}': "prefetch revoked: miss",
 }
+
+
+def split_counter(name: str):
+    """A STORAGE_COUNTERS key -> (metric, outcome label value or None)."""
+    metric, _, rest = name.partition("{")
+    return metric, (rest.split('"')[1] if rest else None)
 
 
 def counters_table(result: dict) -> str:

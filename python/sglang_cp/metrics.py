@@ -53,6 +53,11 @@ PAYLOAD_COUNTERS = {
     "crc_errors": ("cp_l3_payload_crc_errors_total",
                    "Pages of one payload dropped because their CRC did not match (the page is a miss)."),
 }
+# upstream's prefetch outcomes (integration/cp_l3/prefetch_outcomes.py), one series per upstream key
+OUTCOMES = ("cp_l3_prefetch_outcomes_total",
+            "Upstream's storage prefetch outcomes on this rank, by its own key: prefetches issued, declined before "
+            "a lookup (too short, rate limited, anchor lost, ...), revoked after the hit query; *_tokens keys "
+            "count tokens (asked of storage, missed there).")
 # store counters kept in another unit than their metric's: factor to the metric's unit
 SCALE = {"hit_query_ns": 1e-9, "read_ns": 1e-9}
 GAUGES = {
@@ -67,7 +72,7 @@ PREFIX = "sglang:"
 
 def metric_names() -> list[str]:
     return ([PREFIX + n for n, _ in COUNTERS.values()] + [PREFIX + n for n, _ in PAYLOAD_COUNTERS.values()]
-            + [PREFIX + n for n, _ in GAUGES.values()])
+            + [PREFIX + OUTCOMES[0]] + [PREFIX + n for n, _ in GAUGES.values()])
 
 
 class CpL3MetricsCollector:
@@ -85,6 +90,8 @@ class CpL3MetricsCollector:
         self._payload = {key: Counter(PREFIX + name, doc, labelnames=names + ["payload"], registry=registry)
                          for key, (name, doc) in PAYLOAD_COUNTERS.items()}
         self._payload_last: dict = {}
+        self._outcomes = Counter(PREFIX + OUTCOMES[0], OUTCOMES[1], labelnames=names + ["outcome"], registry=registry)
+        self._outcomes_last: dict = {}
         for metric in self._counters.values():
             metric.labels(**self.labels)  # export zeros from the start: absent != none happened
 
@@ -118,6 +125,14 @@ class CpL3MetricsCollector:
                 if value > last:
                     metric.labels(**self.labels, payload=payload).inc(value - last)
                 self._payload_last[(payload, key)] = max(value, last)
+        for outcome, value in (stats.get("prefetch_outcomes") or {}).items():
+            last = self._outcomes_last.get(outcome)
+            if last is None:  # first sight: export its zero
+                self._outcomes.labels(**self.labels, outcome=outcome)
+                last = 0.0
+            if value > last:
+                self._outcomes.labels(**self.labels, outcome=outcome).inc(value - last)
+            self._outcomes_last[outcome] = max(value, last)
         for payload, occ in stats.get("occupancy", {}).items():
             self._used.labels(**self.labels, payload=payload).set(occ["used"])
             self._total.labels(**self.labels, payload=payload).set(occ["total"])

@@ -114,6 +114,13 @@ def peer_checks(rank, world, rendezvous, l3_config):
             b.clear()
         r.dist.barrier()
         out["after_clear"] = b.batch_exists(ks)
+
+        # upstream's prefetch outcomes: the StorageMetrics get_stats() hands upstream carries them back
+        handed = b.get_stats()
+        out["stats_type"] = type(handed).__name__
+        out["outcomes_before"] = "prefetch_outcomes" in b.l3_stats()
+        handed.prefetch_stats = {"issued": 2, "declined_rate_limited": 1}  # as upstream's flush attaches it
+        out["outcomes_after"] = b.l3_stats().get("prefetch_outcomes")
         return out
     finally:
         r.close()
@@ -128,6 +135,12 @@ def peers(tmp_path_factory):
 
 def test_backend_is_ours_built_by_upstreams_factory(peers):
     assert {p["backend_class"] for p in peers} == {"CpL3Storage"}
+
+
+def test_get_stats_carries_upstreams_prefetch_outcomes_into_our_stats(peers):
+    for p in peers:
+        assert p["stats_type"] == "StorageMetrics" and p["outcomes_before"] is False, p
+        assert p["outcomes_after"] == {"issued": 2.0, "declined_rate_limited": 1.0}, p
 
 
 def test_pages_round_trip_in_every_payload(peers):

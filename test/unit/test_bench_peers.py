@@ -593,9 +593,12 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
                         'sglang:backuped_tokens_total{tp_rank="0"} 128.0\n'
                         'sglang:backuped_tokens_total{tp_rank="1"} 64.0\n'
                         'sglang:backuped_tokens_created{tp_rank="0"} 1.7e9\n'
-                        'sglang:cp_l3_spill_pages_total{cp_rank="0",pp_rank="0",tp_rank="0"} 3.0\n')
+                        'sglang:cp_l3_spill_pages_total{cp_rank="0",pp_rank="0",tp_rank="0"} 3.0\n'
+                        'sglang:cp_l3_prefetch_outcomes_total{cp_rank="0",outcome="issued",tp_rank="0"} 9.0\n'
+                        'sglang:cp_l3_prefetch_outcomes_total{cp_rank="0",outcome="declined_rate_limited",tp_rank="0"} 1.0\n')
         before = bench.storage_counters(srv)
         text["body"] += 'sglang:prefetched_tokens_total{tp_rank="0"} 256.0\n'
+        text["body"] += 'sglang:cp_l3_prefetch_outcomes_total{cp_rank="1",outcome="declined_rate_limited",tp_rank="0"} 2.0\n'
         text["body"] = text["body"].replace("} 64.0", "} 96.0")
         after = bench.storage_counters(srv)
     finally:
@@ -605,6 +608,8 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
     assert set(before) == set(report.STORAGE_COUNTERS) and before["sglang:prefetched_tokens_total"] == 0
     delta = bench.counter_deltas(before, after)
     assert delta["sglang:backuped_tokens_total"] == 32 and delta["sglang:prefetched_tokens_total"] == 256
+    rate_limited = 'sglang:cp_l3_prefetch_outcomes_total{outcome="declined_rate_limited"}'
+    assert before[rate_limited] == 1 and delta[rate_limited] == 2  # one outcome, summed over ranks
     assert bench.storage_counters(srv) is None  # nobody answers now
     assert bench.counter_deltas(before, None) is None
 
@@ -612,7 +617,8 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
     res["tiers"][1]["phases"]["restart"]["storage_counters"] = delta
     res["tiers"][1]["phases"]["replay"]["storage_counters"] = None  # /metrics did not answer: no row
     table = report.counters_table(res).splitlines()
-    assert table[0] == "| tier | phase | backed up | prefetched |"  # counters nobody moved are left out
-    assert table[2:] == ["| cp-l3-python | restart | 32 | 256 |"]
+    # counters nobody moved are left out
+    assert table[0] == "| tier | phase | backed up | prefetched | prefetch declined: rate limited |"
+    assert table[2:] == ["| cp-l3-python | restart | 32 | 256 | 2 |"]
     assert "Storage counters from each server's `/metrics`" in report.markdown(res, report.summarize(res))
     assert report.counters_table(synthetic_result()) == ""

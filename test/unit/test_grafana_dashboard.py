@@ -47,6 +47,7 @@ def _exposed_by_a_real_store(tmp_path):
     with L3Store(cfg, rank=0, ranks_per_node=1, payloads={"kv": 8192}) as s:
         s.write_pages("kv", [b"a"], [bytes(8192)], timeout=60)
         stats = s.stats()
+    stats["prefetch_outcomes"] = {"issued": 0.0}  # what the backend adds from upstream's snapshot (prefetch_outcomes.py)
     reg = CollectorRegistry()
     CpL3MetricsCollector({"cp_rank": "0", "tp_rank": "0", "pp_rank": "0"}, registry=reg).update(stats)
     text = generate_latest(reg).decode()

@@ -49,6 +49,7 @@ from sglang_cp.integration.cp_l3.keys import KeyIdentity, KeyScheme
 from sglang_cp.integration.cp_l3.config import DTYPES_KEY
 from sglang_cp.integration.cp_l3.page_groups import validate_page_aligned
 from sglang_cp.integration.cp_l3.plan import RESTORE, PrefetchPlan, held_prefix_per_phase
+from sglang_cp.integration.cp_l3.prefetch_outcomes import PrefetchOutcomes
 from sglang_cp.l3.errors import L3StartupError
 from sglang_cp.l3.ratelog import RateLimitedLog
 from sglang_cp.l3.recovery import DEFAULT_COLD_START
@@ -122,6 +123,7 @@ class CpL3Storage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
+        self.prefetch_outcomes = PrefetchOutcomes()  # upstream's per-rank prefetch outcomes, for /metrics
         extra = dict(storage_config.extra_config or {})
         self.l3_config_path = extra.get("cp_l3_config")
         self.cold_start = extra.get("cp_l3_cold_start", DEFAULT_COLD_START)
@@ -502,10 +504,18 @@ class CpL3Storage(HiCacheStorage):
             self.store.clear()
 
     def get_stats(self):
-        return None  # our metrics go through sglang_cp.metrics, labelled by cp/tp rank
+        # Our own metrics go through sglang_cp.metrics, labelled by cp/tp rank; what we return is the empty
+        # StorageMetrics upstream would make itself, kept so its prefetch outcomes reach /metrics too.
+        return self.prefetch_outcomes.for_upstream()
 
     def l3_stats(self) -> Optional[dict]:
-        return self.store.stats() if self.store is not None else None
+        if self.store is None:
+            return None
+        stats = self.store.stats()
+        outcomes = self.prefetch_outcomes.latest()
+        if outcomes is not None:
+            stats["prefetch_outcomes"] = outcomes
+        return stats
 
     def close(self) -> None:
         RESTORE.detach(self)
