@@ -64,7 +64,7 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
     sys.exit("bench_cp_l3: run it from the repository root as a module: python -m benchmark.hicache.bench_cp_l3")
 
 from benchmark.hicache import pyspy_profile  # noqa: E402  (--profile)
-from benchmark.support.busy_thread import BusyScheduler  # noqa: E402  (--busy-scheduler)
+from benchmark.support.busy_thread import BusyScheduler, switch_interval_list  # noqa: E402  (--busy-scheduler)
 from benchmark.support.cp_harness import GLM5_KV_LORA, GLM5_ROPE, PAGE, Rank, run_ranks, tokens_for  # noqa: E402
 
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
@@ -619,16 +619,10 @@ def main():
     p.add_argument("--busy-scheduler", action="store_true",
                    help="a Python thread per rank runs without pause during the timed prefetch, as a GPU server's "
                         "scheduler loop does while a request waits (its CPU counts in the read CPU columns)")
-    p.add_argument("--gil-switch-interval-ms", default="0", metavar="MS[,MS...]",
+    p.add_argument("--gil-switch-interval-ms", type=switch_interval_list, default=[0.0], metavar="MS[,MS...]",
                    help="io.gil_switch_interval_ms of our rows, one row per value (0: the interpreter's own, 5 ms)")
     args = p.parse_args()
-    try:
-        switches = [float(x) for x in args.gil_switch_interval_ms.split(",")]
-        if not switches or any(x < 0 for x in switches):
-            raise ValueError
-    except ValueError:
-        p.error(f"--gil-switch-interval-ms: pass milliseconds >= 0, comma separated (e.g. 0,0.5), "
-                f"got {args.gil_switch_interval_ms!r}")
+    switches = args.gil_switch_interval_ms
     if args.profile:
         pyspy_profile.pyspy_binary()
         os.makedirs(args.profile, mode=0o700, exist_ok=True)

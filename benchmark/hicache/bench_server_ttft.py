@@ -66,6 +66,7 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
     sys.exit("bench_server_ttft: run it from the repository root as a module: "
              "python -m benchmark.hicache.bench_server_ttft")
 
+from benchmark.support.busy_thread import switch_interval_list  # noqa: E402
 from benchmark.support.decode_load import DecodeLoad  # noqa: E402  (after the package check)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -295,11 +296,8 @@ def run_model(name: str, lengths: list, args, ServerProcess, rawdisk) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     out = []
     for ms, b_res in zip(switches, per_switch):
-        r = {**res, **{k: v for k, v in b_res.items() if k != "rows"}, "gil_switch_interval_ms": ms or None}
+        r = {**res, **b_res, "gil_switch_interval_ms": ms or None}
         r["rows"] = {"recompute": rows["recompute"], "l2": rows["l2"], **b_res["rows"]}
-        if args.decode_load:
-            r["decode_load"] = {**res["decode_load"], **b_res.get("decode_load_during", {})}
-        r.pop("decode_load_during", None)
         out.append(r)
     return out
 
@@ -323,7 +321,7 @@ def restore_with(model, name, flags, model_flags, common, args, ServerProcess, P
         with load:
             restore_rows(b, P, lengths, rows, rec, name)
         if args.decode_load:
-            res["decode_load_during"] = dict(load.during)
+            res["decode_load"] = {"clients": args.decode_load, "new_tokens": args.decode_load_tokens, **load.during}
             log(f"[{name}] decode load during the restores: {load.during}")
         if extra:
             try:
@@ -474,17 +472,6 @@ def switch_label(res: dict) -> str:
     if ms:
         return f" (switch {ms:g} ms)"
     return " (switch 5 ms, CPython's)" if res.get("switch_compared") else ""
-
-
-def switch_list(text: str) -> list:
-    """--gil-switch-interval-ms: one value or a comma-separated list (0: the interpreter's own)."""
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds, e.g. 0,0.5") from None
-    if not vals or len(set(vals)) != len(vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: one or more distinct values in milliseconds, e.g. 0,0.5")
-    return vals
 
 
 def summarize(res: dict) -> list:
@@ -651,7 +638,7 @@ def main(argv=None):
     r.add_argument("--io-threads", type=int, default=8)
     r.add_argument("--read-engine", default="python", choices=["python", "native", "uring"],
                    help="io.read_engine of L3")
-    r.add_argument("--gil-switch-interval-ms", type=switch_list, default=[0.0], metavar="MS[,MS...]",
+    r.add_argument("--gil-switch-interval-ms", type=switch_interval_list, default=[0.0], metavar="MS[,MS...]",
                    help="io.gil_switch_interval_ms of L3 (0: the interpreter's own, 5 ms); with several values "
                         "one server B per value restores server A's pages, one row each in the same run")
     r.add_argument("--raw-gib", type=float, default=4.0)

@@ -8,8 +8,21 @@ that long for this thread. Used by the benchmarks' ``--busy-scheduler``. Imports
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
+
+
+def switch_interval_list(text: str) -> list:
+    """``--gil-switch-interval-ms``: one value or a comma-separated list of distinct milliseconds (0: the
+    interpreter's own), for ``type=`` of an argparse option; the L3 config checks the bounds."""
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds, e.g. 0,0.5") from None
+    if not vals or len(set(vals)) != len(vals) or min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more distinct values >= 0 in milliseconds, e.g. 0,0.5")
+    return vals
 
 
 class BusyScheduler:

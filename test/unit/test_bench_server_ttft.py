@@ -221,7 +221,7 @@ def test_several_switch_intervals_restore_one_servers_pages_in_one_run(tmp_path,
     args = bench.main.__globals__["argparse"].Namespace(
         reps=1, work_dir=str(tmp_path / "w"), out_dir=str(tmp_path / "o"), hicache_size=4, mem_layout="page_first",
         mem_fraction=0.8, attention_backend="triton", kv_cache_dtype="", server_arg=None, io_threads=2,
-        read_engine="uring", gil_switch_interval_ms=bench.switch_list("0,0.5"), raw_gib=0.01, startup_timeout=5,
+        read_engine="uring", gil_switch_interval_ms=bench.switch_interval_list("0,0.5"), raw_gib=0.01, startup_timeout=5,
         spill_timeout=5, decode_load=0, decode_load_tokens=256, profile=False, pd_cp=0)
     (tmp_path / "w").mkdir()
     runs = bench.run_model("glm5", [256], args, _ScriptedServer, rawdisk)
@@ -242,7 +242,7 @@ def test_the_switch_interval_list_is_checked_where_it_is_given():
 
     import pytest
 
-    assert bench.switch_list("0") == [0.0] and bench.switch_list("0,0.5") == [0.0, 0.5]
+    assert bench.switch_interval_list("0") == [0.0] and bench.switch_interval_list("0,0.5") == [0.0, 0.5]
     for bad in ("x", "0,0", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="e.g. 0,0.5"):
-            bench.switch_list(bad)
+            bench.switch_interval_list(bad)
