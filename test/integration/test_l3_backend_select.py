@@ -31,19 +31,21 @@ CODE = textwrap.dedent(
         print("STEP", type(e).__name__, str(e).replace("\\n", " ")[:300])
     cfg = resolving_view(sa)
     print("BACKEND", cfg.hicache_storage_backend, cfg.hicache_storage_backend_extra_config)
+    from sglang.srt.environ import envs
+    print("TREE", envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get())
     """
 )
 REFUSAL = "not --hicache-storage-backend yet"
 
 
-def run_step(extra):
+def run_step(extra, env=None, want="BACKEND"):
     import json
 
     p = run_py(f"import sys; sys.argv=['x', {json.dumps(json.dumps(extra))}]\n" + CODE,
-               env_extra={"HF_HUB_OFFLINE": "1"})
-    lines = {ln.split(" ", 1)[0]: ln for ln in p.stdout.splitlines() if ln.startswith(("STEP", "BACKEND"))}
+               env_extra={"HF_HUB_OFFLINE": "1", **(env or {})})
+    lines = {ln.split(" ", 1)[0]: ln for ln in p.stdout.splitlines() if ln.startswith(("STEP", "BACKEND", "TREE"))}
     assert "STEP" in lines, p.stdout + p.stderr
-    return lines["STEP"], lines["BACKEND"]
+    return lines["STEP"], lines[want]
 
 
 def test_upstream_still_refuses_other_backends_under_sharding():
@@ -62,3 +64,22 @@ def test_our_backend_is_selected_and_passes_the_sharding_refusal(disk_tmp):
     assert REFUSAL not in step
     assert backend.startswith("BACKEND dynamic") and '"backend_name": "sglang_cp_l3"' in backend
     assert '"interface_v1": 1' in backend and cfg in backend
+
+
+def test_kv_sharding_runs_the_python_tree_core_which_our_tree_core_hooks_hook(disk_tmp, monkeypatch):
+    """Our restore path hooks upstream's Python ``UnifiedTreeCore`` (``prefetch_anchor_info``,
+    ``insert_host``), not the Rust core upstream uses by default where its extension loads: the hooks only
+    act under KV sharding, and upstream's sharding step selects the Python core there and refuses another.
+    If upstream ever lets a sharded server run the Rust core, this fails and the hooks must follow it."""
+    from sglang.srt.environ import envs
+
+    from sglang_cp.cli import write_demo_config
+
+    assert envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.default == "rust"  # unsharded servers: no phase to keep
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
+    ours = ["--enable-cp-l3", "--cp-l3-config", cfg]
+    monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
+    _step, tree = run_step(ours, want="TREE")
+    assert tree == "TREE python"
+    step, _tree = run_step(ours, env={"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "rust"}, want="TREE")
+    assert "requires the Python UnifiedTreeCore" in step
