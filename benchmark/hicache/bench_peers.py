@@ -102,6 +102,9 @@ def build_workload(args, model_dir: str) -> tuple:
                 f"(seed {args.seed}), {args.doc_tokens}+{args.suffix_tokens} tokens, {args.concurrency} clients, "
                 f"working set {ws / GB:.1f} GB vs pools {(args.device_tokens * bpt) / GB + args.hicache_size:.1f} GB")
         args.loop = "closed"
+        note = wl.device_pool_note(args.device_tokens, args.concurrency, args.doc_tokens + args.suffix_tokens)
+        if note:
+            desc += f"; {note}"
     if cfg.get("vocab_size") is None:
         raise SystemExit(f"{model_dir}/config.json has no vocab_size: the prompts' token ids need it")
     return prompts, desc

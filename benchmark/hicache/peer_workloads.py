@@ -351,6 +351,21 @@ def storm_docs_needed(device_tokens: int, host_bytes: int, kv_bytes_per_token: i
     return max(2, math.ceil(over * pools / (doc_tokens * kv_bytes_per_token)))
 
 
+def device_pool_note(device_tokens: int, concurrency: int, prompt_tokens: int) -> str | None:
+    """None when the device pool holds every client's prompt at once; else one line on what upstream does
+    then. A queued request's matched device prefix is evicted by the running ones before it is admitted;
+    upstream re-issues its storage lookup each time that prefix shrinks and, after
+    ``hicache_storage_prefetch_retry_max_attempts``, admits it without storage: recomputed tokens that no
+    storage tier could have served, whatever it holds."""
+    need = concurrency * prompt_tokens
+    if device_tokens >= need:
+        return None
+    return (f"--device-tokens {device_tokens} holds {device_tokens // prompt_tokens} of the {concurrency} clients' "
+            f"{prompt_tokens}-token prompts: queued requests lose their device prefix before admission and upstream "
+            f"admits some without storage after its re-issue cap (recomputed, on every tier); "
+            f"--device-tokens {need} measures the storage tiers instead")
+
+
 def storm(docs: int, suffixes: int, requests: int, alpha: float, seed: int, doc_tokens: int,
           suffix_tokens: int, block_tokens: int, output_tokens: int = 1) -> list:
     """``requests`` prompts: document d drawn with weight 1 / (d + 1) ** alpha, then one of its

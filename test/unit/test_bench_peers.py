@@ -622,3 +622,19 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
     assert table[2:] == ["| cp-l3-python | restart | 32 | 256 | 2 |"]
     assert "Storage counters from each server's `/metrics`" in report.markdown(res, report.summarize(res))
     assert report.counters_table(synthetic_result()) == ""
+
+
+def test_a_storm_whose_device_pool_cannot_hold_its_clients_says_so():
+    """The storm's description (logged and saved with the run) says when the device pool holds fewer of
+    the clients' prompts than there are clients: upstream then admits some requests without storage."""
+    assert wl.device_pool_note(device_tokens=16 * 16640, concurrency=16, prompt_tokens=16640) is None
+    note = wl.device_pool_note(device_tokens=32768, concurrency=16, prompt_tokens=16640)
+    assert note.startswith("--device-tokens 32768 holds 1 of the 16 clients' 16640-token prompts")
+    assert note.endswith("--device-tokens 266240 measures the storage tiers instead")
+    model = bench.ttft.MODELS["small"]
+    argv = ["run", "--model", "small", "--workload", "storm", "--doc-tokens", "16384", "--suffixes", "4",
+            "--requests", "8", "--concurrency", "16", "--hicache-size", "2", "--kv-sensitive", "--work-dir", "unused"]
+    _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "32768"]), model)
+    assert "holds 1 of the 16 clients' 16640-token prompts" in desc
+    _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "266240"]), model)
+    assert "clients' " not in desc and desc.startswith("storm: ")
