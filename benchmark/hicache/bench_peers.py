@@ -327,7 +327,9 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     served = {k: sum(r[k] for r in ok) for k in ("storage", "host", "device")}
     log(f"[{tier.name}] {len(ok)}/{len(rows)} answered in {wall:.1f} s; tokens served from "
         + ", ".join(f"{k} {v:,}" for k, v in served.items()))
+    fs = peer_tiers.fs_use(tier.storage_dirs[0]) if tier.storage_dirs else None
     return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "du": du_bytes(tier.storage_dirs),
+            "fs_used_pct": None if fs is None else fs["used_pct"],
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,
             "storage_counters": counters}
@@ -349,6 +351,13 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
         log(f"[{tier.name}] not run: {tier.error}")
         return rec
     peer_tiers.prepare(tier, s)
+    if tier.storage_dirs:
+        fs = peer_tiers.fs_use(tier.storage_dirs[0])
+        rec["fs_at_start"] = fs
+        warning = peer_tiers.cleaner_warning(tier, fs, s.disk_gb * GB)
+        if warning:
+            rec["warnings"] = [warning]
+            log(f"[{tier.name}] WARNING {warning}")
     env = server_env(tier, args, base_env)
     services: list = []
 
@@ -394,6 +403,9 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
     finally:
         for x in services:
             x.stop()
+        if tier.storage_dirs and not args.keep_storage:
+            log(f"[{tier.name}] storage removed ({peer_tiers.free_storage(tier) / GB:.1f} GB), so the next tier "
+                "finds the disk as this one did")
     return rec
 
 
@@ -568,6 +580,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--suffix-tokens", type=int, default=256)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--phases", default="replay,restart", help="replay, or replay,restart")
+    r.add_argument("--keep-storage", action="store_true",
+                   help="keep each tier's stored KV after it has run (default: removed, so a later tier, or a "
+                        "later run on the same --work-dir, is not measured on a fuller disk)")
     r.add_argument("--drop-caches", action="store_true",
                    help="sync and drop the page cache before each restart (root): storage read from the disk, as "
                         "after a host restart or with a working set larger than RAM")

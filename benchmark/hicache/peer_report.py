@@ -238,6 +238,16 @@ def markdown(result: dict, rows: list) -> str:
             f"{r['tier']} {r['phase']} {r['mode_ok']}/{r['mode_checked']}" for r in rows if "mode_ok" in r), ""]
     parts.append("How each tier was configured:")
     parts += [f"- `{label(t)}`: {t['how']}" for t in result["tiers"]]
+    used = [t for t in result["tiers"] if t.get("fs_at_start")]
+    if used:
+        parts += ["", "Storage filesystem in use (percent, as statvfs and nixl's cleaner count it: every file on "
+                  "that disk), at each tier's start and after each phase:"]
+        parts += [f"- `{label(t)}`: {t['fs_at_start']['used_pct']:.0f} % at its start"
+                  + "".join(f", {ph} {v['fs_used_pct']:.0f} %" for ph, v in (t.get("phases") or {}).items()
+                            if v.get("fs_used_pct") is not None) for t in used]
+    warned = [w for t in result["tiers"] for w in t.get("warnings") or ()]
+    if warned:
+        parts += ["", "Warnings (the rows they name were measured under them):"] + [f"- {w}" for w in warned]
     missing = [t for t in result["tiers"] if t.get("error")]
     if missing:
         parts += ["", "Not run (or stopped) on this host:"]

@@ -60,6 +60,8 @@ class Tier:
     files: dict = field(default_factory=dict)  # config files to write before it starts: path -> text
     error: Optional[str] = None  # why it cannot run on this host (exact text)
     needs: Optional[str] = None  # what it would take
+    # Percent of its filesystem in use at which the tier deletes its own files (nixl's L3 cleaner), if any
+    cleaner_high_pct: Optional[float] = None
 
     @property
     def storage(self) -> bool:
@@ -119,13 +121,17 @@ def tier_file(s: TierSettings) -> Tier:
                 storage_dirs=[d])
 
 
+NIXL_CLEANER_HIGH_PCT = 80.0  # nixl_utils.get_l3_cleaner_config's default high watermark (pinned by a test)
+
+
 def tier_nixl(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("nixl"), "kv")
     args = _hicache(s) + ["--hicache-storage-backend", "nixl"] + _extra({"use_direct_io": True})
     env = {"SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX", "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": d}
     t = Tier("nixl", args, f"upstream HiCacheNixl, POSIX plugin, O_DIRECT, files in {d}; no byte cap (upstream's "
-             f"L3 cleaner keeps the filesystem under 80 % full, down to 70 %), host pool {s.host_gb} GB, "
-             f"prefetch {s.prefetch_policy}", env=env, storage_dirs=[d])
+             f"L3 cleaner keeps the filesystem under {NIXL_CLEANER_HIGH_PCT:g} % full, down to 70 %), host pool "
+             f"{s.host_gb} GB, prefetch {s.prefetch_policy}", env=env, storage_dirs=[d],
+             cleaner_high_pct=NIXL_CLEANER_HIGH_PCT)
     t.error = probe_import("nixl._api")
     if t.error:
         t.needs = ("the nixl Python package with its POSIX plugin (pip install nixl, which pulls nixl-cu12 or "
@@ -210,6 +216,46 @@ def tier_ours(s: TierSettings, engine: str) -> Tier:
 def all_tiers(s: TierSettings) -> list:
     return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s), tier_lmcache(s)]
             + [tier_ours(s, e) for e in read_engines()])
+
+
+def fs_use(path: str) -> Optional[dict]:
+    """The filesystem holding ``path``: total bytes, bytes an unprivileged writer may still use, and the
+    percent in use as nixl's L3 cleaner computes it ((total - available) / total); None if unreadable."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    total, avail = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    return {"total": total, "available": avail, "used_pct": 100.0 * (total - avail) / total if total else 0.0}
+
+
+def cleaner_warning(tier: Tier, fs: Optional[dict], budget_bytes: float) -> Optional[str]:
+    """One line when the tier would delete its own files during the run: its filesystem in use plus the
+    storage budget every tier may write reaches the tier's cleaner watermark (files other than the tier's
+    own count: earlier tiers' storage, the model, anything on that disk)."""
+    if tier.cleaner_high_pct is None or fs is None or not fs["total"]:
+        return None
+    after = fs["used_pct"] + 100.0 * budget_bytes / fs["total"]
+    if after < tier.cleaner_high_pct:
+        return None
+    return (f"{tier.name}: its filesystem is {fs['used_pct']:.0f} % used and the {budget_bytes / 1e9:g} GB budget "
+            f"would take it to {after:.0f} %, past the {tier.cleaner_high_pct:g} % at which its cleaner deletes "
+            "its own files (a handicap, not a property of the tier): free that disk or use another --work-dir")
+
+
+def free_storage(tier: Tier) -> int:
+    """Remove what the tier stored, once it has run, so the next tier finds the disk as this one did;
+    returns the bytes freed."""
+    freed = 0
+    for d in tier.storage_dirs:
+        for dirpath, _dirs, names in os.walk(d):
+            for n in names:
+                try:
+                    freed += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+                except OSError:
+                    pass
+        shutil.rmtree(d, ignore_errors=True)
+    return freed
 
 
 def prepare(tier: Tier, s: TierSettings) -> None:

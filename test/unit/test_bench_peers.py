@@ -5,6 +5,7 @@ The GPU run itself (servers, requests) is not exercised here."""
 
 import json
 import os
+import shutil
 import stat
 import sys
 import time
@@ -638,3 +639,49 @@ def test_a_storm_whose_device_pool_cannot_hold_its_clients_says_so():
     assert "holds 1 of the 16 clients' 16640-token prompts" in desc
     _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "266240"]), model)
     assert "clients' " not in desc and desc.startswith("storm: ")
+
+
+def test_nixl_cleaner_watermark_is_upstreams_default():
+    from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlBackendConfig
+
+    assert NixlBackendConfig({}).get_l3_cleaner_config() == {
+        "enabled": True, "high_watermark": tiers.NIXL_CLEANER_HIGH_PCT, "low_watermark": 70.0}
+
+
+def test_storage_filesystem_use_cleaner_warning_and_freeing_on_real_files(tmp_path):
+    """A tier whose cleaner deletes its own files past a filesystem watermark (nixl) is warned about when
+    the disk it starts on, plus the budget, reaches it; each tier's storage is removed once it has run."""
+    fs = tiers.fs_use(str(tmp_path))
+    du = shutil.disk_usage(tmp_path)
+    assert fs["total"] == du.total and 0.0 <= fs["used_pct"] <= 100.0
+    assert abs(fs["used_pct"] - 100.0 * (du.total - du.free) / du.total) < 1.0  # df's figure (root's reserve aside)
+    assert tiers.fs_use(str(tmp_path / "absent")) is None
+
+    nixl = tiers.tier_nixl(_settings(tmp_path))
+    assert nixl.cleaner_high_pct == 80.0 and tiers.tier_file(_settings(tmp_path)).cleaner_high_pct is None
+    half = {"total": 100e9, "available": 50e9, "used_pct": 50.0}
+    assert tiers.cleaner_warning(nixl, half, 16e9) is None  # 66 %: under the watermark
+    w = tiers.cleaner_warning(nixl, {"total": 100e9, "available": 35e9, "used_pct": 65.0}, 16e9)
+    assert w.startswith("nixl: its filesystem is 65 % used and the 16 GB budget would take it to 81 %, past the 80 %")
+    assert tiers.cleaner_warning(tiers.tier_file(_settings(tmp_path)), {**half, "used_pct": 99.0}, 16e9) is None
+
+    d = tmp_path / "work" / "nixl" / "kv"
+    d.mkdir(parents=True)
+    (d / "a").write_bytes(b"x" * 8192)
+    (d / "sub").mkdir()
+    (d / "sub" / "b").write_bytes(b"y" * 4096)
+    freed = tiers.free_storage(tiers.Tier("t", [], "", storage_dirs=[str(d)]))
+    assert freed >= 12288 and not d.exists()
+
+
+def test_report_shows_the_storage_filesystem_and_the_warnings(tmp_path):
+    res = synthetic_result()
+    ours = res["tiers"][1]
+    ours["fs_at_start"] = {"total": 100e9, "available": 70e9, "used_pct": 30.0}
+    ours["phases"]["replay"]["fs_used_pct"], ours["phases"]["restart"]["fs_used_pct"] = 32.4, 33.0
+    ours["warnings"] = ["cp-l3-python: a warning"]
+    md = report.markdown(res, report.summarize(res))
+    assert "- `cp-l3-python`: 30 % at its start, replay 32 %, restart 33 %" in md
+    assert "Warnings (the rows they name were measured under them):\n- cp-l3-python: a warning" in md
+    plain = report.markdown(synthetic_result(), report.summarize(synthetic_result()))
+    assert "Storage filesystem" not in plain and "Warnings" not in plain  # runs saved before these fields
