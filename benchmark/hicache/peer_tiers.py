@@ -170,20 +170,29 @@ def tier_lmcache(s: TierSettings) -> Tier:
     d = os.path.join(root, "fs")
     port = s.free_port()
     adapter = {"type": "fs", "base_path": d, "max_capacity_gb": s.disk_gb}
+    quiet = {"LMCACHE_TRACK_USAGE": "false"}  # its usage reports go to a public host: none from a benchmark
     server = Service("lmcache server", ["lmcache", "server", "--host", "127.0.0.1", "--port", str(port),
                                         "--l1-size-gb", str(s.host_gb), "--eviction-policy", "LRU",
-                                        "--l2-adapter", json.dumps(adapter, separators=(",", ":"))], port)
+                                        "--l2-adapter", json.dumps(adapter, separators=(",", ":"))], port,
+                     env=quiet)
     yaml = os.path.join(root, "lmcache.yaml")
     t = Tier("lmcache", ["--enable-lmcache", "--lmcache-config-file", yaml],
              f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM (LRU) in place of HiCache's "
              f"host pool (--enable-lmcache excludes --enable-hierarchical-cache), fs L2 adapter in {d} capped at "
              f"{s.disk_gb:g} GB; its own prefetch (no --hicache-storage-prefetch-policy)",
-             services=[server], storage_dirs=[d], files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})
-    t.error = probe_import("lmcache.integration.sglang.unified_lmcache_mp_connector")
+             env=quiet, services=[server], storage_dirs=[d],
+             files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})
+    # Its CUDA kernels load only on a GPU server, so a build against another torch fails there, not at
+    # import of the connector: probe them too, for the exact error.
+    t.error = (probe_import("lmcache.integration.sglang.unified_lmcache_mp_connector")
+               or probe_import("lmcache.cuda_ops"))
     if not t.error and shutil.which("lmcache") is None:
         t.error = "lmcache: not found on PATH"
     if t.error:
-        t.needs = "pip install lmcache (a CUDA 12 build; its 'lmcache server' program serves the KV)"
+        t.needs = ("an LMCache whose CUDA kernels (lmcache.cuda_ops) are built against this torch: pip install "
+                   "lmcache, or where its wheel was built against another torch (an undefined c10 symbol above), "
+                   "build it from its source release with this torch and a matching nvcc (docs/benchmarks.md, "
+                   "'Running it'); its 'lmcache server' program serves the KV")
     return t
 
 

@@ -243,6 +243,9 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     assert "--enable-lmcache" in cmd["lmcache"] and "--enable-hierarchical-cache" not in cmd["lmcache"]
     yaml_path = cmd["lmcache"][cmd["lmcache"].index("--lmcache-config-file") + 1]
     assert lm.files[yaml_path] == f"mp_host: 127.0.0.1\nmp_port: {srv.port}\n"
+    assert srv.env == lm.env == {"LMCACHE_TRACK_USAGE": "false"}  # no usage reports from a benchmark
+    if lm.error:  # LMCache missing here: the connector's import error, not the kernels' (probed second)
+        assert lm.error.startswith(("ModuleNotFoundError", "ImportError")) and "cuda_ops" in lm.needs
 
     for e in engines:
         t = by[f"cp-l3-{e}"]
