@@ -47,11 +47,13 @@ scheduler thread
 
 Why the tree core and the controller, not ``UnifiedRadixCache``: importing that module at plugin load
 pulls in the reasoning-parser registry and would change the order of upstream's ``--reasoning-parser``
-choices (flags-off neutrality). Why the Python ``UnifiedTreeCore`` and not upstream's default Rust core: the
-tree-core steps (1, 7) act only under KV sharding, and upstream's sharding step selects the Python core
-and refuses any other (``arg_groups/kv_shard_hook.py``; pinned by ``test_l3_backend_select.py``). Seed items: "MIN-vector agreement riding existing collectives", "load
-that preserves the owner pattern (no silent plain-alloc fallback)", "a page is durable only when every
-owner rank acked it", "reload on miss with the partial-prefix slice", "placement-digest debug assert".
+choices (flags-off neutrality). Why the Python ``UnifiedTreeCore`` and not upstream's default Rust core:
+the tree-core steps (1, 7) act only under KV sharding, and upstream's sharding step selects the Python core
+and refuses any other (``arg_groups/kv_shard_hook.py``; pinned by ``test_l3_backend_select.py``).
+
+Seed items: "MIN-vector agreement riding existing collectives", "load that preserves the owner pattern (no
+silent plain-alloc fallback)", "a page is durable only when every owner rank acked it", "reload on miss
+with the partial-prefix slice", "placement-digest debug assert".
 """
 
 from __future__ import annotations
