@@ -222,6 +222,75 @@ def storage_backend_is_ours(server_args: Any) -> bool:
     return isinstance(extra, str) and L3_BACKEND_NAME in extra
 
 
+# Keys of --hicache-storage-backend-extra-config that upstream's controller itself consumes (its
+# parse_storage_backend_extra_config pops them before a backend sees the rest): the prefetch policy, the
+# same for every backend. With --enable-cp-l3 they pass through into the config we declare; any other
+# key is refused (the L3 store's own settings live in --cp-l3-config).
+UPSTREAM_PREFETCH_KEYS = {
+    "prefetch_threshold": "a whole number of tokens >= 0 (upstream's default 256)",
+    "prefetch_timeout_base": "a number of seconds > 0 (upstream's default 1)",
+    "prefetch_timeout_per_ki_token": "a number of seconds > 0 (upstream's default 0.25)",
+}
+_EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+
+
+def _read_extra_config(text: str) -> Any:
+    """The flag's value as upstream reads it: JSON, or @PATH of a .json, .toml or .yaml file."""
+    import json
+
+    if not text.startswith("@"):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise CpArgsError(f"{_EXTRA_FLAG}: not valid JSON ({e}); give a JSON object or @PATH of a file.") from e
+    path = text[1:]
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".json":
+            with open(path) as f:
+                return json.load(f)
+        if ext == ".toml":
+            import tomllib
+
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        if ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path) as f:
+                return yaml.safe_load(f)
+    except OSError as e:
+        raise CpArgsError(f"{_EXTRA_FLAG} {text}: cannot read it ({e.strerror}).") from e
+    except Exception as e:  # a parser's own error type: JSONDecodeError, TOMLDecodeError, YAMLError
+        raise CpArgsError(f"{_EXTRA_FLAG} {text}: not a valid {ext[1:]} file ({e}).") from e
+    raise CpArgsError(f"{_EXTRA_FLAG} {text}: upstream reads .json, .toml or .yaml files; rename it.")
+
+
+def user_prefetch_tuning(server_args: Any) -> dict:
+    """With --enable-cp-l3: upstream's prefetch settings the user gave in --hicache-storage-backend-extra-config
+    (validated; {} when none), which the config we declare carries on. Raises CpArgsError for any other key
+    or a value upstream would reject once the server is up."""
+    text = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    if not text or storage_backend_is_ours(server_args):
+        return {}
+    cfg = _read_extra_config(text)
+    if not isinstance(cfg, dict):
+        raise CpArgsError(f"{_EXTRA_FLAG}: must be an object of settings, got {type(cfg).__name__}.")
+    out = {}
+    for key, value in cfg.items():
+        if key not in UPSTREAM_PREFETCH_KEYS:
+            raise CpArgsError(
+                f"{_EXTRA_FLAG}: {key!r} is not used with --enable-cp-l3, which takes only upstream's prefetch "
+                f"settings ({', '.join(UPSTREAM_PREFETCH_KEYS)}); the L3 store's own settings go in --cp-l3-config.")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 0 if key == "prefetch_threshold"
+              else number and 0 < value < float("inf"))
+        if not ok:
+            raise CpArgsError(f"{_EXTRA_FLAG}: {key} must be {UPSTREAM_PREFETCH_KEYS[key]}; got {value!r}.")
+        out[key] = value
+    return out
+
+
 def validate(server_args: Any, *, check_paths: bool = True) -> CpFlags:
     """Validate our flags against each other and against SGLang's own flags.
 
@@ -259,6 +328,7 @@ def validate(server_args: Any, *, check_paths: bool = True) -> CpFlags:
                 f"backend and excludes --hicache-storage-backend {backend}. Drop "
                 f"--hicache-storage-backend, or drop --enable-cp-l3."
             )
+        user_prefetch_tuning(server_args)
         if check_paths:
             load_config(f.cp_l3_config)
     if f.enable_cp_shared_physical_l2_hicache:

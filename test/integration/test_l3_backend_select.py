@@ -83,3 +83,26 @@ def test_kv_sharding_runs_the_python_tree_core_which_our_tree_core_hooks_hook(di
     assert tree == "TREE python"
     step, _tree = run_step(ours, env={"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "rust"}, want="TREE")
     assert "requires the Python UnifiedTreeCore" in step
+
+
+def test_upstreams_prefetch_settings_pass_through_into_our_config(disk_tmp):
+    """--hicache-storage-backend-extra-config with --enable-cp-l3 carries upstream's prefetch settings (its
+    controller pops them before any backend sees the rest); they were silently dropped before."""
+    from sglang_cp.cli import write_demo_config
+
+    cfg = write_demo_config(str(disk_tmp / "l3"), capacity_gb=0.05)
+    tuning = disk_tmp / "tuning.toml"
+    tuning.write_text("prefetch_threshold = 64\nprefetch_timeout_per_ki_token = 0.5\n")
+    _step, backend = run_step(["--enable-cp-l3", "--cp-l3-config", cfg, "--hicache-storage-backend-extra-config",
+                               '{"prefetch_threshold": 64, "prefetch_timeout_base": 2}'])
+    assert '"backend_name": "sglang_cp_l3"' in backend and '"prefetch_threshold": 64' in backend
+    assert '"prefetch_timeout_base": 2' in backend
+    _step, backend = run_step(["--enable-cp-l3", "--cp-l3-config", cfg,
+                               "--hicache-storage-backend-extra-config", f"@{tuning}"])
+    assert '"prefetch_threshold": 64' in backend and '"prefetch_timeout_per_ki_token": 0.5' in backend
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    declared = backend.split(" ", 2)[2]
+    parsed = HybridCacheController.parse_storage_backend_extra_config(declared)
+    assert parsed[1:4] == (64, 1, 0.5)  # upstream's own parser: threshold, timeout base, per KiB token
+    assert parsed[0]["backend_name"] == "sglang_cp_l3"

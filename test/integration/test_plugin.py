@@ -99,6 +99,22 @@ VALIDATION_CASES = [
     (["--cp-hicache-max-slab-gb", "0"], "--cp-hicache-max-slab-gb must be > 0"),
     (["--cp-hicache-placement-assert"], "--cp-hicache-placement-assert checks HiCache"),
     (["--cp-l3-cold-start", "maybe"], "--cp-l3-cold-start must be one of clear, load, verify; got 'maybe'."),
+    # upstream's prefetch settings pass through --hicache-storage-backend-extra-config; nothing else does
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+      "--hicache-storage-backend-extra-config", '{"max_size": 5}'],
+     "--hicache-storage-backend-extra-config: 'max_size' is not used with --enable-cp-l3"),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+      "--hicache-storage-backend-extra-config", '{"prefetch_threshold": "64"}'],
+     "prefetch_threshold must be a whole number of tokens >= 0 (upstream's default 256); got '64'."),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+      "--hicache-storage-backend-extra-config", '{"prefetch_timeout_base": 0}'],
+     "prefetch_timeout_base must be a number of seconds > 0"),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+      "--hicache-storage-backend-extra-config", "prefetch_threshold=64"],
+     "--hicache-storage-backend-extra-config: not valid JSON"),
+    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+      "--hicache-storage-backend-extra-config", "@/nonexistent/tuning.toml"],
+     "--hicache-storage-backend-extra-config @/nonexistent/tuning.toml: cannot read it"),
 ]
 
 # Every case through the real plugin and parser, in one fresh interpreter: each command line is parsed

@@ -32,9 +32,13 @@ BACKEND_CLASS = "CpL3Storage"
 
 
 def backend_extra_config(server_args) -> str:
+    """The storage config we declare: our backend, and upstream's prefetch settings the user gave in
+    --hicache-storage-backend-extra-config (validated by ``cp_args.validate``; upstream's controller
+    consumes them, the same as for any backend)."""
     f = cp_args.flags_of(server_args)
     cfg = resolving_view(server_args)
     return json.dumps({
+        **cp_args.user_prefetch_tuning(cfg),
         "backend_name": cp_args.L3_BACKEND_NAME,
         "module_path": BACKEND_MODULE,
         "class_name": BACKEND_CLASS,
