@@ -413,6 +413,7 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
 def settings(args) -> peer_tiers.TierSettings:
     return peer_tiers.TierSettings(work_dir=args.work_dir, host_gb=args.hicache_size, disk_gb=args.disk_gb,
                                    free_port=harness.free_port, prefetch_policy=args.prefetch_policy,
+                                   prefetch_threshold=args.prefetch_threshold,
                                    write_policy=args.write_policy, mem_layout=args.mem_layout,
                                    io_threads=args.io_threads, mooncake_segment_gb=args.mooncake_segment_gb,
                                    l3_toml=ttft.write_l3_toml)
@@ -472,6 +473,7 @@ def cmd_run(args) -> int:
               "meta": {"model": os.path.basename(model), "workload": desc, "kv_sensitive": args.kv_sensitive,
                        "block_tokens": args.block_tokens, "device_tokens": args.device_tokens,
                        "host_gb": args.hicache_size, "disk_gb": args.disk_gb, "prefetch_policy": args.prefetch_policy,
+                       "prefetch_threshold": args.prefetch_threshold,
                        "loop": args.loop, "concurrency": args.concurrency, "phases": args.phases,
                        "drop_caches": args.drop_caches,
                        "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")},
@@ -542,6 +544,9 @@ def add_tier_args(p) -> None:
     p.add_argument("--device-tokens", type=int, default=0,
                    help="device pool (--max-total-tokens); default 2 x the longest request")
     p.add_argument("--prefetch-policy", default="wait_complete", choices=["best_effort", "wait_complete", "timeout"])
+    p.add_argument("--prefetch-threshold", type=int, default=None, metavar="TOKENS",
+                   help="upstream's prefetch_threshold for every HiCache storage tier alike (a storage hit shorter "
+                        "than this is not fetched; default: upstream's 256)")
     p.add_argument("--write-policy", default="write_through",
                    choices=["write_back", "write_through", "write_through_selective"])
     p.add_argument("--mem-layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])

@@ -111,14 +111,21 @@ def counters_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-# upstream's default prefetch_threshold (HiCacheController; no tier here sets it): a storage hit shorter
-# than this many tokens is not fetched, so a request that misses only such a tail lost it to the threshold.
+# upstream's default prefetch_threshold (HiCacheController), the run's unless it set --prefetch-threshold: a
+# storage hit shorter than this many tokens is not fetched, so a request that misses only such a tail lost
+# it to the threshold.
 PREFETCH_THRESHOLD = 256
+
+
+def threshold_of(result: dict) -> int:
+    """The prefetch threshold every storage tier of the run had."""
+    t = result.get("meta", {}).get("prefetch_threshold")
+    return PREFETCH_THRESHOLD if t is None else t
 
 
 def shortfall(result: dict, phase: str, rows: list):
     """{"in_flight", "lost", "lost_short"} tokens over a phase's answered requests (module docstring;
-    ``lost_short``: the lost tokens of requests that lost fewer than ``PREFETCH_THRESHOLD``), or None
+    ``lost_short``: the lost tokens of requests that lost fewer than the run's prefetch threshold), or None
     when the saved prompts have no block ids."""
     saved = result["prompts"]
     if not saved or not all("block_ids" in p for p in saved):
@@ -133,11 +140,12 @@ def shortfall(result: dict, phase: str, rows: list):
         sends[r["i"]] = (r["sent_s"], r["sent_s"] + r["ttft_s"])
     reach = wl.reachable_at_send(prompts, sends, block_tokens, warm=warm)
     in_flight = lost = lost_short = 0
+    threshold = threshold_of(result)
     for r in ok:
         i, served = r["i"], sum(r.get(k) or 0 for k in ("device", "host", "storage"))
         missed = max(0, reach[i] - served)
         lost += missed
-        lost_short += missed if missed < PREFETCH_THRESHOLD else 0
+        lost_short += missed if missed < threshold else 0
         in_flight += max(0, ideal[i] - max(served, reach[i]))
     return {"in_flight": in_flight, "lost": lost, "lost_short": lost_short}
 
@@ -188,9 +196,9 @@ def _f(v, fmt="{:.3f}"):
     return "-" if v is None else fmt.format(v)
 
 
-def table(rows: list) -> str:
+def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
     head = ["tier", "phase", "req/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "device tok", "host tok",
-            "storage tok", "hit ratio (ideal)", "in flight tok", f"lost tok (< {PREFETCH_THRESHOLD})", "disk GB", "CPU s server + services", "ids differ / compared",
+            "storage tok", "hit ratio (ideal)", "in flight tok", f"lost tok (< {threshold})", "disk GB", "CPU s server + services", "ids differ / compared",
             "startup s", "first storage hit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -213,7 +221,8 @@ def table(rows: list) -> str:
 
 def markdown(result: dict, rows: list) -> str:
     meta = result.get("meta", {})
-    parts = [f"Workload: {meta.get('workload', '-')}", "", table(rows), ""]
+    threshold = threshold_of(result)
+    parts = [f"Workload: {meta.get('workload', '-')}", "", table(rows, threshold), ""]
     if any(r["tier"].endswith(COLD) for r in rows):
         parts += [f"`{COLD.strip()}`: the page cache was synced and dropped before that tier's restart, so its storage "
                   "was read from the disk (as after a host restart, or with a working set larger than RAM); the "
@@ -223,7 +232,7 @@ def markdown(result: dict, rows: list) -> str:
                   "(no tier could hold them yet: the replay's own concurrency); `lost`: tokens a prompt that had "
                   "answered held, not served (evicted from every level, never written, or declined by the "
                   "prefetch); in parentheses, the part lost by requests that each lost fewer than "
-                  f"{PREFETCH_THRESHOLD} tokens (upstream's default prefetch_threshold: a storage hit that short is "
+                  f"{threshold} tokens (the run's prefetch_threshold: a storage hit that short is "
                   "not fetched). Ideal - hit ratio is at most (in flight + lost) / prompt tokens.", ""]
     counters = counters_table(result)
     if counters:
@@ -335,7 +344,7 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
 # What must agree for tiers measured in separate runs to share one table: the same prompts and the same
 # settings every tier runs under (argv may differ only in --tiers, --out-dir and --work-dir).
 _SAME = ("model", "workload", "kv_sensitive", "block_tokens", "device_tokens", "host_gb", "disk_gb",
-         "prefetch_policy", "loop", "concurrency", "phases")
+         "prefetch_policy", "prefetch_threshold", "loop", "concurrency", "phases")
 
 
 def merge(results: list) -> dict:

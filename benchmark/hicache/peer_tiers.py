@@ -79,6 +79,8 @@ class TierSettings:
     mem_layout: str = "page_first"
     io_threads: int = 8
     mooncake_segment_gb: float = 4.0  # Mooncake's own DRAM segment (the SSD-offload guide's example)
+    # upstream's prefetch_threshold for every HiCache storage tier alike (None: upstream's default, 256)
+    prefetch_threshold: Optional[int] = None
     l3_toml: Optional[Callable] = None  # bench_server_ttft.write_l3_toml (root, capacity_gb, threads, engine)
 
     def dir(self, tier: str) -> str:
@@ -103,6 +105,16 @@ def _extra(cfg: dict) -> list:
     return ["--hicache-storage-backend-extra-config", json.dumps(cfg, separators=(",", ":"))]
 
 
+def _threshold(s: TierSettings) -> dict:
+    """Upstream's prefetch threshold as its storage config takes it, the same for every HiCache storage tier."""
+    return {} if s.prefetch_threshold is None else {"prefetch_threshold": s.prefetch_threshold}
+
+
+def _prefetch_how(s: TierSettings) -> str:
+    return f"prefetch {s.prefetch_policy}" + ("" if s.prefetch_threshold is None
+                                               else f", prefetch threshold {s.prefetch_threshold} tokens")
+
+
 def tier_no_hicache(s: TierSettings) -> Tier:
     return Tier("no-hicache", [], "upstream radix cache on the device pool only: no host pool, no storage")
 
@@ -115,9 +127,10 @@ def tier_hicache_l2(s: TierSettings) -> Tier:
 def tier_file(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("file"), "kv")
     cap = int(s.disk_gb * GIB)
-    args = _hicache(s) + ["--hicache-storage-backend", "file"] + _extra({"file_storage_path": d, "max_size": cap})
+    args = _hicache(s) + ["--hicache-storage-backend", "file"] + _extra({"file_storage_path": d, "max_size": cap,
+                                                                         **_threshold(s)})
     return Tier("file", args, f"upstream HiCacheFile in {d}, LRU evictor capped at {cap} B (extra config max_size), "
-                f"host pool {s.host_gb} GB, prefetch {s.prefetch_policy}; page files through the page cache, no fsync",
+                f"host pool {s.host_gb} GB, {_prefetch_how(s)}; page files through the page cache, no fsync",
                 storage_dirs=[d])
 
 
@@ -126,11 +139,11 @@ NIXL_CLEANER_HIGH_PCT = 80.0  # nixl_utils.get_l3_cleaner_config's default high 
 
 def tier_nixl(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("nixl"), "kv")
-    args = _hicache(s) + ["--hicache-storage-backend", "nixl"] + _extra({"use_direct_io": True})
+    args = _hicache(s) + ["--hicache-storage-backend", "nixl"] + _extra({"use_direct_io": True, **_threshold(s)})
     env = {"SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX", "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": d}
     t = Tier("nixl", args, f"upstream HiCacheNixl, POSIX plugin, O_DIRECT, files in {d}; no byte cap (upstream's "
              f"L3 cleaner keeps the filesystem under {NIXL_CLEANER_HIGH_PCT:g} % full, down to 70 %), host pool "
-             f"{s.host_gb} GB, prefetch {s.prefetch_policy}", env=env, storage_dirs=[d],
+             f"{s.host_gb} GB, {_prefetch_how(s)}", env=env, storage_dirs=[d],
              cleaner_high_pct=NIXL_CLEANER_HIGH_PCT)
     t.error = probe_import("nixl._api")
     if t.error:
@@ -147,7 +160,8 @@ def tier_mooncake(s: TierSettings) -> Tier:
     master = Service("mooncake_master", ["mooncake_master", f"--rpc_port={port}", "--enable_offload=true"], port)
     cfg = {"master_server_address": f"127.0.0.1:{port}", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
            "device_name": "", "local_hostname": "127.0.0.1",
-           "global_segment_size": f"{s.mooncake_segment_gb:g}gb", "enable_ssd_offload": True, "ssd_offload_path": d}
+           "global_segment_size": f"{s.mooncake_segment_gb:g}gb", "enable_ssd_offload": True, "ssd_offload_path": d,
+           **_threshold(s)}
     env = {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
            "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
@@ -155,7 +169,7 @@ def tier_mooncake(s: TierSettings) -> Tier:
     t = Tier("mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{port}, TCP, "
              f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
              f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU), "
-             f"prefetch {s.prefetch_policy}", env=env, services=[master], storage_dirs=[d])
+             f"{_prefetch_how(s)}", env=env, services=[master], storage_dirs=[d])
     t.error = probe_import("mooncake.store")
     if not t.error and shutil.which("mooncake_master") is None:
         t.error = "mooncake_master: not found on PATH"
@@ -179,7 +193,8 @@ def tier_lmcache(s: TierSettings) -> Tier:
     t = Tier("lmcache", ["--enable-lmcache", "--lmcache-config-file", yaml],
              f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM (LRU) in place of HiCache's "
              f"host pool (--enable-lmcache excludes --enable-hierarchical-cache), fs L2 adapter in {d} capped at "
-             f"{s.disk_gb:g} GB; its own prefetch (no --hicache-storage-prefetch-policy)",
+             f"{s.disk_gb:g} GB; its own prefetch (no --hicache-storage-prefetch-policy"
+             + ("" if s.prefetch_threshold is None else " or prefetch threshold") + ")",
              env=quiet, services=[server], storage_dirs=[d],
              files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})
     # Its CUDA kernels load only on a GPU server, so a build against another torch fails there, not at
@@ -205,11 +220,11 @@ def read_engines() -> tuple:
 def tier_ours(s: TierSettings, engine: str) -> Tier:
     root = s.dir(f"cp-l3-{engine}")
     cfg = os.path.join(root, "l3.toml")
-    args = _hicache(s) + ["--enable-cp-l3", "--cp-l3-config", cfg]
+    args = _hicache(s) + ["--enable-cp-l3", "--cp-l3-config", cfg] + (_extra(_threshold(s)) if _threshold(s) else [])
     t = Tier(f"cp-l3-{engine}", args + ["--cp-l3-cold-start", "clear"],
              f"sglang-cp L3 (--enable-cp-l3), io.read_engine = {engine!r}, {s.io_threads} I/O threads, slabs "
              f"preallocated to {s.disk_gb:g} GB in {root}/data (du counts them whole), backup_ack durable (data, "
-             f"fdatasync, index commit before the ack), host pool {s.host_gb} GB, prefetch {s.prefetch_policy}; "
+             f"fdatasync, index commit before the ack), host pool {s.host_gb} GB, {_prefetch_how(s)}; "
              "cold start clear, restart load",
              storage_dirs=[os.path.join(root, "data"), os.path.join(root, "index")],
              restart_args=args + ["--cp-l3-cold-start", "load"])

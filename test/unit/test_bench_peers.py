@@ -688,3 +688,33 @@ def test_report_shows_the_storage_filesystem_and_the_warnings(tmp_path):
     assert "Warnings (the rows they name were measured under them):\n- cp-l3-python: a warning" in md
     plain = report.markdown(synthetic_result(), report.summarize(synthetic_result()))
     assert "Storage filesystem" not in plain and "Warnings" not in plain  # runs saved before these fields
+
+
+def test_one_prefetch_threshold_for_every_storage_tier(tmp_path):
+    """--prefetch-threshold reaches every HiCache storage tier the way upstream takes it (its storage extra
+    config; ours accepts it there too), none without it; the report's threshold split follows the run's."""
+    plain = {t.name: t for t in tiers.all_tiers(_settings(tmp_path))}
+    assert all("prefetch_threshold" not in _extra(t.args) for t in plain.values()  # upstream's default
+               if "--hicache-storage-backend-extra-config" in t.args)
+    assert "--hicache-storage-backend-extra-config" not in plain["cp-l3-python"].args
+    by = {t.name: t for t in tiers.all_tiers(_settings(tmp_path, prefetch_threshold=64))}
+    for name in ("file", "nixl", "mooncake", "cp-l3-python"):
+        assert _extra(by[name].args)["prefetch_threshold"] == 64, name
+        assert "prefetch threshold 64 tokens" in by[name].how, name
+    assert _extra(by["cp-l3-python"].args) == {"prefetch_threshold": 64}  # what --enable-cp-l3 passes through
+    assert "--hicache-storage-backend-extra-config" not in by["hicache-l2"].args + by["lmcache"].args
+    assert "no --hicache-storage-prefetch-policy or prefetch threshold" in by["lmcache"].how
+    from sglang_cp import args as cp_args
+
+    ours = by["cp-l3-python"].args
+    ns = type("Args", (), {"hicache_storage_backend_extra_config":
+                           ours[ours.index("--hicache-storage-backend-extra-config") + 1]})()
+    assert cp_args.user_prefetch_tuning(ns) == {"prefetch_threshold": 64}  # ours accepts what the tier passes
+
+    res = synthetic_result()
+    assert report.threshold_of(res) == 256
+    res["meta"]["prefetch_threshold"] = 64
+    assert report.threshold_of(res) == 64 and "| lost tok (< 64) |" in report.markdown(res, report.summarize(res))
+    merged_with = dict(synthetic_result(), meta={**synthetic_result()["meta"], "prefetch_threshold": 64})
+    with pytest.raises(ValueError, match="meta.prefetch_threshold = 64 differs"):
+        report.merge([synthetic_result(), merged_with])
