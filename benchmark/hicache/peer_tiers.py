@@ -16,7 +16,10 @@ policy. Each peer runs with its own SGLang flags and the settings its documentat
   cleaner keeps the filesystem between its default watermarks (80 / 70 % full);
 - ``mooncake``: Mooncake Store through a real ``mooncake_master --enable_offload=true`` (TCP, one node,
   P2P handshake), the embedded real client with SSD offload to a local directory, the bucket backend
-  capped at ``disk_gb`` with LRU eviction;
+  capped at ``disk_gb`` with LRU eviction; its DRAM segment lives in the SGLang process;
+- ``mooncake-standalone``: the same store with its real client as a process of its own
+  (``mooncake_client``, the segment and the SSD offload) and SGLang as its dummy client
+  (``standalone_storage``): the segment outlives an SGLang restart (Mooncake's deployment guide, mode B);
 - ``lmcache``: ``--enable-lmcache`` with a real ``lmcache server`` (multiprocess mode), L1 of
   ``host_gb`` and its ``fs`` L2 adapter on a local directory capped at ``disk_gb``;
 - ``cp-l3-<engine>``: ours, ``--enable-cp-l3`` on HiCache, one tier per read engine the L3 config
@@ -179,6 +182,43 @@ def tier_mooncake(s: TierSettings) -> Tier:
     return t
 
 
+def tier_mooncake_standalone(s: TierSettings) -> Tier:
+    """Mooncake Store with its Real Client as a process of its own (``mooncake_client``, holding the DRAM
+    segment and the SSD offload) and SGLang as its Dummy Client (``standalone_storage``: the host pool is
+    shared with the client): the deployment in which the segment outlives an SGLang restart."""
+    root = s.dir("mooncake-standalone")
+    d = os.path.join(root, "ssd")
+    cap = int(s.disk_gb * GIB)
+    master_port, client_port = s.free_port(), s.free_port()
+    master = Service("mooncake_master", ["mooncake_master", f"--rpc_port={master_port}", "--enable_offload=true"],
+                     master_port)
+    offload = {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": d,
+               "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+               "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
+               "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru"}
+    client = Service("mooncake_client", [
+        "mooncake_client", f"--master_server_address=127.0.0.1:{master_port}", "--host=127.0.0.1",
+        f"--port={client_port}", "--protocol=tcp", "--metadata_server=P2PHANDSHAKE",
+        f"--global_segment_size={s.mooncake_segment_gb:g}GB", "--enable_offload=true"], client_port, env=offload)
+    cfg = {"standalone_storage": True, "client_server_address": f"127.0.0.1:{client_port}", **_threshold(s)}
+    args = _hicache(s) + ["--hicache-storage-backend", "mooncake"] + _extra(cfg)
+    t = Tier("mooncake-standalone", args,
+             f"Mooncake Store, standalone: mooncake_master --enable_offload=true on 127.0.0.1:{master_port}, a "
+             f"mooncake_client process on 127.0.0.1:{client_port} (TCP) holding the {s.mooncake_segment_gb:g} GB "
+             f"DRAM segment and SSD offload to {d} (bucket backend, {cap} B cap, LRU), SGLang as its dummy client "
+             f"(standalone_storage, host pool {s.host_gb} GB shared with the client), {_prefetch_how(s)}; the "
+             "client outlives SGLang's restart", env={"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
+             services=[master, client], storage_dirs=[d])
+    t.error = probe_import("mooncake.store")
+    for program in ("mooncake_master", "mooncake_client"):
+        if not t.error and shutil.which(program) is None:
+            t.error = f"{program}: not found on PATH"
+    if t.error:
+        t.needs = ("pip install mooncake-transfer-engine (the wheel ships mooncake.store and the mooncake_master "
+                   "and mooncake_client programs)")
+    return t
+
+
 def tier_lmcache(s: TierSettings) -> Tier:
     root = s.dir("lmcache")
     d = os.path.join(root, "fs")
@@ -238,7 +278,8 @@ def tier_ours(s: TierSettings, engine: str) -> Tier:
 
 
 def all_tiers(s: TierSettings) -> list:
-    return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s), tier_lmcache(s)]
+    return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s),
+             tier_mooncake_standalone(s), tier_lmcache(s)]
             + [tier_ours(s, e) for e in read_engines()])
 
 

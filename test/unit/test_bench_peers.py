@@ -204,7 +204,7 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     s = _settings(tmp_path)
     by = {t.name: t for t in tiers.all_tiers(s)}
     engines = tiers.read_engines()
-    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "lmcache"] + [
+    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "mooncake-standalone", "lmcache"] + [
         f"cp-l3-{e}" for e in engines]
     cmd = {n: bench.harness.ServerProcess(bench.ttft.MODELS["small"], t.args).command() for n, t in by.items()}
     for c in cmd.values():
@@ -234,6 +234,16 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     assert cfg["enable_ssd_offload"] is True and cfg["ssd_offload_path"] == m.storage_dirs[0]
     assert m.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
     assert "mooncake" in cmd["mooncake"]
+
+    ms = by["mooncake-standalone"]
+    master, client = ms.services  # started in this order, each once its port listens
+    assert master.argv[0] == "mooncake_master" and "--enable_offload=true" in master.argv
+    assert client.argv[0] == "mooncake_client" and "--enable_offload=true" in client.argv
+    assert f"--master_server_address=127.0.0.1:{master.port}" in client.argv and f"--port={client.port}" in client.argv
+    assert "--global_segment_size=4GB" in client.argv and client.env["MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"] == ms.storage_dirs[0]
+    assert client.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
+    assert _extra(ms.args) == {"standalone_storage": True, "client_server_address": f"127.0.0.1:{client.port}"}
+    assert ms.storage_dirs != m.storage_dirs  # its own directory
 
     lm = by["lmcache"]
     (srv,) = lm.services
@@ -698,7 +708,7 @@ def test_one_prefetch_threshold_for_every_storage_tier(tmp_path):
                if "--hicache-storage-backend-extra-config" in t.args)
     assert "--hicache-storage-backend-extra-config" not in plain["cp-l3-python"].args
     by = {t.name: t for t in tiers.all_tiers(_settings(tmp_path, prefetch_threshold=64))}
-    for name in ("file", "nixl", "mooncake", "cp-l3-python"):
+    for name in ("file", "nixl", "mooncake", "mooncake-standalone", "cp-l3-python"):
         assert _extra(by[name].args)["prefetch_threshold"] == 64, name
         assert "prefetch threshold 64 tokens" in by[name].how, name
     assert _extra(by["cp-l3-python"].args) == {"prefetch_threshold": 64}  # what --enable-cp-l3 passes through
