@@ -75,6 +75,15 @@ def metric_names() -> list[str]:
             + [PREFIX + OUTCOMES[0]] + [PREFIX + n for n, _ in GAUGES.values()])
 
 
+def _advance(child, last_seen: dict, key, value) -> None:
+    """Move a labelled counter (``child``: created, so exported at zero, by the caller's ``labels()``) up to
+    a cumulative snapshot ``value``; a snapshot below the last one seen never moves it back."""
+    last = last_seen.get(key, 0)
+    if value > last:
+        child.inc(value - last)
+    last_seen[key] = max(value, last)
+
+
 class CpL3MetricsCollector:
     def __init__(self, labels: dict[str, str], registry=None):
         from prometheus_client import REGISTRY, Counter, Gauge
@@ -117,22 +126,10 @@ class CpL3MetricsCollector:
             self._last[key] = max(value, self._last[key])
         for payload, pc in stats.get("payload_counters", {}).items():
             for key, metric in self._payload.items():
-                value = int(pc.get(key, 0))
-                last = self._payload_last.get((payload, key))
-                if last is None:  # first sight of this payload: export its zero
-                    metric.labels(**self.labels, payload=payload)
-                    last = 0
-                if value > last:
-                    metric.labels(**self.labels, payload=payload).inc(value - last)
-                self._payload_last[(payload, key)] = max(value, last)
+                _advance(metric.labels(**self.labels, payload=payload), self._payload_last, (payload, key),
+                         int(pc.get(key, 0)))
         for outcome, value in (stats.get("prefetch_outcomes") or {}).items():
-            last = self._outcomes_last.get(outcome)
-            if last is None:  # first sight: export its zero
-                self._outcomes.labels(**self.labels, outcome=outcome)
-                last = 0.0
-            if value > last:
-                self._outcomes.labels(**self.labels, outcome=outcome).inc(value - last)
-            self._outcomes_last[outcome] = max(value, last)
+            _advance(self._outcomes.labels(**self.labels, outcome=outcome), self._outcomes_last, outcome, value)
         for payload, occ in stats.get("occupancy", {}).items():
             self._used.labels(**self.labels, payload=payload).set(occ["used"])
             self._total.labels(**self.labels, payload=payload).set(occ["total"])

@@ -325,7 +325,6 @@ def _splitter_of(pool):
     return getattr(getattr(pool, "allocator", None), "slab_splitter", None)
 
 
-
 def backup_all_layer_around(original, self, device_pool, host_indices, device_indices, io_backend):
     splitter = _splitter_of(self)
     if splitter is None or splitter.trivial or io_backend == "kernel":
