@@ -57,6 +57,7 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
 
 from benchmark.hicache import bench_server_ttft as ttft  # the shared harness: models, KV sizes, L3 config
 from benchmark.hicache import peer_report, peer_tiers
+from benchmark.hicache.peer_tiers import du_bytes  # bytes a tier's storage holds
 from benchmark.hicache import peer_workloads as wl
 from benchmark.support import server_process as harness  # the real-server harness
 
@@ -209,22 +210,6 @@ def tree_cpu_s(pids: list):
             except psutil.Error:
                 continue
     return total
-
-
-def du_bytes(paths: list) -> dict:
-    """Allocated (st_blocks) and apparent bytes of every file under ``paths``."""
-    alloc = apparent = files = 0
-    for root in paths:
-        for dirpath, _dirs, names in os.walk(root):
-            for n in names:
-                try:
-                    st = os.lstat(os.path.join(dirpath, n))
-                except OSError:
-                    continue
-                alloc += st.st_blocks * 512
-                apparent += st.st_size
-                files += 1
-    return {"allocated": alloc, "apparent": apparent, "files": files}
 
 
 def drop_page_cache() -> str:

@@ -155,68 +155,68 @@ def tier_nixl(s: TierSettings) -> Tier:
     return t
 
 
-def tier_mooncake(s: TierSettings) -> Tier:
-    root = s.dir("mooncake")
-    d = os.path.join(root, "ssd")
-    cap = int(s.disk_gb * GIB)
+def _mooncake_master(s: TierSettings) -> Service:
     port = s.free_port()
-    master = Service("mooncake_master", ["mooncake_master", f"--rpc_port={port}", "--enable_offload=true"], port)
-    cfg = {"master_server_address": f"127.0.0.1:{port}", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+    return Service("mooncake_master", ["mooncake_master", f"--rpc_port={port}", "--enable_offload=true"], port)
+
+
+def _mooncake_offload_env(cap: int) -> dict:
+    """Mooncake's SSD offload of its real client: the bucket backend capped at ``cap`` bytes, LRU eviction."""
+    return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
+            "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
+            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru"}
+
+
+def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
+    t.error = probe_import("mooncake.store")
+    for program in programs:
+        if not t.error and shutil.which(program) is None:
+            t.error = f"{program}: not found on PATH"
+    if t.error:
+        t.needs = (f"pip install mooncake-transfer-engine (the wheel ships mooncake.store and the "
+                   f"{' and '.join(programs)} program{'s' if len(programs) > 1 else ''})")
+    return t
+
+
+def tier_mooncake(s: TierSettings) -> Tier:
+    d = os.path.join(s.dir("mooncake"), "ssd")
+    cap = int(s.disk_gb * GIB)
+    master = _mooncake_master(s)
+    cfg = {"master_server_address": f"127.0.0.1:{master.port}", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
            "device_name": "", "local_hostname": "127.0.0.1",
            "global_segment_size": f"{s.mooncake_segment_gb:g}gb", "enable_ssd_offload": True, "ssd_offload_path": d,
            **_threshold(s)}
-    env = {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
-           "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
-           "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
     args = _hicache(s) + ["--hicache-storage-backend", "mooncake"] + _extra(cfg)
-    t = Tier("mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{port}, TCP, "
-             f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
-             f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU), "
-             f"{_prefetch_how(s)}", env=env, services=[master], storage_dirs=[d])
-    t.error = probe_import("mooncake.store")
-    if not t.error and shutil.which("mooncake_master") is None:
-        t.error = "mooncake_master: not found on PATH"
-    if t.error:
-        t.needs = ("pip install mooncake-transfer-engine (the wheel ships mooncake.store and the mooncake_master "
-                   "program)")
-    return t
+    return _mooncake_probe(Tier(
+        "mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, TCP, "
+        f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
+        f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU), {_prefetch_how(s)}",
+        env={**_mooncake_offload_env(cap), "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}, services=[master],
+        storage_dirs=[d]), ("mooncake_master",))
 
 
 def tier_mooncake_standalone(s: TierSettings) -> Tier:
     """Mooncake Store with its Real Client as a process of its own (``mooncake_client``, holding the DRAM
     segment and the SSD offload) and SGLang as its Dummy Client (``standalone_storage``: the host pool is
     shared with the client): the deployment in which the segment outlives an SGLang restart."""
-    root = s.dir("mooncake-standalone")
-    d = os.path.join(root, "ssd")
+    d = os.path.join(s.dir("mooncake-standalone"), "ssd")
     cap = int(s.disk_gb * GIB)
-    master_port, client_port = s.free_port(), s.free_port()
-    master = Service("mooncake_master", ["mooncake_master", f"--rpc_port={master_port}", "--enable_offload=true"],
-                     master_port)
-    offload = {"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": d,
-               "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
-               "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
-               "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru"}
+    master, client_port = _mooncake_master(s), s.free_port()
     client = Service("mooncake_client", [
-        "mooncake_client", f"--master_server_address=127.0.0.1:{master_port}", "--host=127.0.0.1",
+        "mooncake_client", f"--master_server_address=127.0.0.1:{master.port}", "--host=127.0.0.1",
         f"--port={client_port}", "--protocol=tcp", "--metadata_server=P2PHANDSHAKE",
-        f"--global_segment_size={s.mooncake_segment_gb:g}GB", "--enable_offload=true"], client_port, env=offload)
+        f"--global_segment_size={s.mooncake_segment_gb:g}GB", "--enable_offload=true"], client_port,
+        env={"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": d, **_mooncake_offload_env(cap)})
     cfg = {"standalone_storage": True, "client_server_address": f"127.0.0.1:{client_port}", **_threshold(s)}
     args = _hicache(s) + ["--hicache-storage-backend", "mooncake"] + _extra(cfg)
-    t = Tier("mooncake-standalone", args,
-             f"Mooncake Store, standalone: mooncake_master --enable_offload=true on 127.0.0.1:{master_port}, a "
-             f"mooncake_client process on 127.0.0.1:{client_port} (TCP) holding the {s.mooncake_segment_gb:g} GB "
-             f"DRAM segment and SSD offload to {d} (bucket backend, {cap} B cap, LRU), SGLang as its dummy client "
-             f"(standalone_storage, host pool {s.host_gb} GB shared with the client), {_prefetch_how(s)}; the "
-             "client outlives SGLang's restart", env={"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
-             services=[master, client], storage_dirs=[d])
-    t.error = probe_import("mooncake.store")
-    for program in ("mooncake_master", "mooncake_client"):
-        if not t.error and shutil.which(program) is None:
-            t.error = f"{program}: not found on PATH"
-    if t.error:
-        t.needs = ("pip install mooncake-transfer-engine (the wheel ships mooncake.store and the mooncake_master "
-                   "and mooncake_client programs)")
-    return t
+    return _mooncake_probe(Tier(
+        "mooncake-standalone", args,
+        f"Mooncake Store, standalone: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, a "
+        f"mooncake_client process on 127.0.0.1:{client_port} (TCP) holding the {s.mooncake_segment_gb:g} GB "
+        f"DRAM segment and SSD offload to {d} (bucket backend, {cap} B cap, LRU), SGLang as its dummy client "
+        f"(standalone_storage, host pool {s.host_gb} GB shared with the client), {_prefetch_how(s)}; the "
+        "client outlives SGLang's restart", env={"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
+        services=[master, client], storage_dirs=[d]), ("mooncake_master", "mooncake_client"))
 
 
 def tier_lmcache(s: TierSettings) -> Tier:
@@ -308,17 +308,27 @@ def cleaner_warning(tier: Tier, fs: Optional[dict], budget_bytes: float) -> Opti
             "its own files (a handicap, not a property of the tier): free that disk or use another --work-dir")
 
 
+def du_bytes(paths: list) -> dict:
+    """Allocated (st_blocks) and apparent bytes of every file under ``paths``."""
+    alloc = apparent = files = 0
+    for root in paths:
+        for dirpath, _dirs, names in os.walk(root):
+            for n in names:
+                try:
+                    st = os.lstat(os.path.join(dirpath, n))
+                except OSError:
+                    continue
+                alloc += st.st_blocks * 512
+                apparent += st.st_size
+                files += 1
+    return {"allocated": alloc, "apparent": apparent, "files": files}
+
+
 def free_storage(tier: Tier) -> int:
     """Remove what the tier stored, once it has run, so the next tier finds the disk as this one did;
     returns the bytes freed."""
-    freed = 0
+    freed = du_bytes(tier.storage_dirs)["allocated"]
     for d in tier.storage_dirs:
-        for dirpath, _dirs, names in os.walk(d):
-            for n in names:
-                try:
-                    freed += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
-                except OSError:
-                    pass
         shutil.rmtree(d, ignore_errors=True)
     return freed
 

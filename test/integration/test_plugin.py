@@ -84,6 +84,8 @@ def test_upstream_load_plugins_picks_us_up_and_flags_parse(procs):
     assert flags["cp_l3_cold_start"] == "clear"
 
 
+_L3_EXTRA = ["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
+             "--hicache-storage-backend-extra-config"]
 VALIDATION_CASES = [
     (["--enable-cp-l3"], "--enable-cp-l3 needs --enable-hierarchical-cache"),
     (["--enable-hierarchical-cache", "--enable-cp-l3"], "--enable-cp-l3 needs --cp-l3-config"),
@@ -100,20 +102,12 @@ VALIDATION_CASES = [
     (["--cp-hicache-placement-assert"], "--cp-hicache-placement-assert checks HiCache"),
     (["--cp-l3-cold-start", "maybe"], "--cp-l3-cold-start must be one of clear, load, verify; got 'maybe'."),
     # upstream's prefetch settings pass through --hicache-storage-backend-extra-config; nothing else does
-    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
-      "--hicache-storage-backend-extra-config", '{"max_size": 5}'],
-     "--hicache-storage-backend-extra-config: 'max_size' is not used with --enable-cp-l3"),
-    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
-      "--hicache-storage-backend-extra-config", '{"prefetch_threshold": "64"}'],
+    ([*_L3_EXTRA, '{"max_size": 5}'], "--hicache-storage-backend-extra-config: 'max_size' is not used with --enable-cp-l3"),
+    ([*_L3_EXTRA, '{"prefetch_threshold": "64"}'],
      "prefetch_threshold must be a whole number of tokens >= 0 (upstream's default 256); got '64'."),
-    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
-      "--hicache-storage-backend-extra-config", '{"prefetch_timeout_base": 0}'],
-     "prefetch_timeout_base must be a number of seconds > 0"),
-    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
-      "--hicache-storage-backend-extra-config", "prefetch_threshold=64"],
-     "--hicache-storage-backend-extra-config: not valid JSON"),
-    (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml",
-      "--hicache-storage-backend-extra-config", "@/nonexistent/tuning.toml"],
+    ([*_L3_EXTRA, '{"prefetch_timeout_base": 0}'], "prefetch_timeout_base must be a number of seconds > 0"),
+    ([*_L3_EXTRA, "prefetch_threshold=64"], "--hicache-storage-backend-extra-config: not valid JSON"),
+    ([*_L3_EXTRA, "@/nonexistent/tuning.toml"],
      "--hicache-storage-backend-extra-config @/nonexistent/tuning.toml: cannot read it"),
 ]
 
