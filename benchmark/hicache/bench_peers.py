@@ -487,19 +487,24 @@ def cmd_commands(args) -> int:
         print(f"# {t.name}: {t.how}")
         if t.error:
             print(f"#   not runnable here: {t.error}; needs {t.needs}")
+        if t.storage_dirs:  # prepare() makes them; Mooncake's client refuses to start without its directory
+            print(f"mkdir -p -m 700 {shlex.join(t.storage_dirs)}")
         for path, text in t.files.items():
             print(f"cat > {shlex.quote(path)} <<'EOF'\n{text}EOF")
         if t.name.startswith("cp-l3-"):
             print(f"# {t.args[t.args.index('--cp-l3-config') + 1]}: written by bench_server_ttft.write_l3_toml")
-        for x in t.services:
-            print(shlex.join(x.argv) + " &")
+        for x in t.services:  # with the environment run() gives it (Mooncake's client takes its SSD offload there)
+            print(" ".join(_env_words(x.env) + [shlex.join(x.argv), "&"]))
         cmd = harness.ServerProcess(model, t.args, context_length=args.context_length,
                                     max_total_tokens=args.device_tokens or 65536, port=30000,
                                     mem_fraction_static=args.mem_fraction,
                                     attention_backend=args.attention_backend).command()
-        envs = [f"{k}={shlex.quote(v)}" for k, v in t.env.items()]
-        print(" ".join(envs + ["python"] + [shlex.quote(c) for c in cmd[1:]]) + "\n")
+        print(" ".join(_env_words(t.env) + ["python"] + [shlex.quote(c) for c in cmd[1:]]) + "\n")
     return 0
+
+
+def _env_words(env: dict) -> list:
+    return [f"{k}={shlex.quote(v)}" for k, v in env.items()]
 
 
 def cmd_report(args) -> int:

@@ -16,7 +16,8 @@ policy. Each peer runs with its own SGLang flags and the settings its documentat
   cleaner keeps the filesystem between its default watermarks (80 / 70 % full);
 - ``mooncake``: Mooncake Store through a real ``mooncake_master --enable_offload=true`` (TCP, one node,
   P2P handshake), the embedded real client with SSD offload to a local directory, the bucket backend
-  capped at ``disk_gb`` with LRU eviction; its DRAM segment lives in the SGLang process;
+  capped at ``disk_gb`` with LRU eviction and one object per bucket (so every stored page reaches the disk;
+  ``_mooncake_offload_env`` says why); its DRAM segment lives in the SGLang process;
 - ``mooncake-standalone``: the same store with its real client as a process of its own
   (``mooncake_client``, the segment and the SSD offload) and SGLang as its dummy client
   (``standalone_storage``): the segment outlives an SGLang restart (Mooncake's deployment guide, mode B);
@@ -161,10 +162,15 @@ def _mooncake_master(s: TierSettings) -> Service:
 
 
 def _mooncake_offload_env(cap: int) -> dict:
-    """Mooncake's SSD offload of its real client: the bucket backend capped at ``cap`` bytes, LRU eviction."""
+    """Mooncake's SSD offload of its real client: the bucket backend capped at ``cap`` bytes, LRU eviction,
+    and a bucket per object. With the backend's default grouping (a bucket is written once it holds 500
+    objects or 256 MiB) a client's last < 256 MiB of objects wait in memory without a disk copy, and a
+    restart of the client loses them: 48 SGLang pages of 2.36 MB stored through the standalone client had
+    no file on disk 25 s later, where one object per bucket had all 48 on disk (98 files) within one
+    offload heartbeat (mooncake-transfer-engine 0.3.13.post1, ``docs_internal/peers.md``)."""
     return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
             "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
-            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru"}
+            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1"}
 
 
 def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
@@ -174,7 +180,10 @@ def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
             t.error = f"{program}: not found on PATH"
     if t.error:
         t.needs = (f"pip install mooncake-transfer-engine (the wheel ships mooncake.store and the "
-                   f"{' and '.join(programs)} program{'s' if len(programs) > 1 else ''})")
+                   f"{' and '.join(programs)} program{'s' if len(programs) > 1 else ''}); its 0.3.13.post1 "
+                   "build loads libcudart.so.12 (nvidia-cuda-runtime-cu12's lib directory on LD_LIBRARY_PATH on a "
+                   "CUDA 13 host), the driver's libcuda.so.1, libibverbs.so.1 and libnuma.so.1 (Debian: "
+                   "libibverbs1 ibverbs-providers libnuma1)")
     return t
 
 
@@ -190,7 +199,8 @@ def tier_mooncake(s: TierSettings) -> Tier:
     return _mooncake_probe(Tier(
         "mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, TCP, "
         f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
-        f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU), {_prefetch_how(s)}",
+        f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU, one object per bucket), "
+        f"{_prefetch_how(s)}",
         env={**_mooncake_offload_env(cap), "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}, services=[master],
         storage_dirs=[d]), ("mooncake_master",))
 
@@ -213,9 +223,9 @@ def tier_mooncake_standalone(s: TierSettings) -> Tier:
         "mooncake-standalone", args,
         f"Mooncake Store, standalone: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, a "
         f"mooncake_client process on 127.0.0.1:{client_port} (TCP) holding the {s.mooncake_segment_gb:g} GB "
-        f"DRAM segment and SSD offload to {d} (bucket backend, {cap} B cap, LRU), SGLang as its dummy client "
-        f"(standalone_storage, host pool {s.host_gb} GB shared with the client), {_prefetch_how(s)}; the "
-        "client outlives SGLang's restart", env={"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
+        f"DRAM segment and SSD offload to {d} (bucket backend, {cap} B cap, LRU, one object per bucket), SGLang "
+        f"as its dummy client (standalone_storage, host pool {s.host_gb} GB shared with the client), "
+        f"{_prefetch_how(s)}; the client outlives SGLang's restart", env={"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
         services=[master, client], storage_dirs=[d]), ("mooncake_master", "mooncake_client"))
 
 

@@ -233,6 +233,8 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     assert cfg["master_server_address"] == f"127.0.0.1:{master.port}" and cfg["protocol"] == "tcp"
     assert cfg["enable_ssd_offload"] is True and cfg["ssd_offload_path"] == m.storage_dirs[0]
     assert m.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
+    # one object per bucket: with the default grouping (500 objects or 256 MiB) the last ones wait in memory
+    assert m.env["MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"] == "1"
     assert "mooncake" in cmd["mooncake"]
 
     ms = by["mooncake-standalone"]
@@ -242,6 +244,7 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     assert f"--master_server_address=127.0.0.1:{master.port}" in client.argv and f"--port={client.port}" in client.argv
     assert "--global_segment_size=4GB" in client.argv and client.env["MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"] == ms.storage_dirs[0]
     assert client.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
+    assert client.env["MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"] == "1"
     assert _extra(ms.args) == {"standalone_storage": True, "client_server_address": f"127.0.0.1:{client.port}"}
     assert ms.storage_dirs != m.storage_dirs  # its own directory
 
@@ -728,3 +731,19 @@ def test_one_prefetch_threshold_for_every_storage_tier(tmp_path):
     merged_with = dict(synthetic_result(), meta={**synthetic_result()["meta"], "prefetch_threshold": 64})
     with pytest.raises(ValueError, match="meta.prefetch_threshold = 64 differs"):
         report.merge([synthetic_result(), merged_with])
+
+
+def test_printed_commands_carry_each_services_environment_and_make_the_storage_directories(tmp_path, capsys):
+    """`commands` is what a person runs by hand: Mooncake's client takes its SSD offload from its environment
+    (without it, it looks for /data/file_storage and aborts) and refuses to start without that directory."""
+    work = tmp_path / "work"
+    assert bench.main(["commands", "--work-dir", str(work), "--tiers", "mooncake-standalone,file"]) == 0
+    out = capsys.readouterr().out
+    ssd = str(work / "mooncake-standalone" / "ssd")
+    lines = out.splitlines()
+    client = next(x for x in lines if not x.startswith("#") and " mooncake_client " in x)
+    assert client.startswith(f"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH={ssd} ") and client.endswith(" &")
+    assert "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT=1 mooncake_client --master_server_address=127.0.0.1:" in client
+    assert lines.index(f"mkdir -p -m 700 {ssd}") < lines.index(client)
+    assert f"mkdir -p -m 700 {work / 'file' / 'kv'}" in lines
+    assert any(x.startswith("mooncake_master --rpc_port=") and x.endswith(" &") for x in lines)
