@@ -29,11 +29,12 @@ on its own device. Two directories on one filesystem are refused; two on one dis
 
 ``--read-engine python|native|uring|both|all``: io.read_engine of our rows (one row per engine; both =
 python,native, all = the three; a comma-separated list works too). Every row also
-reports CPU seconds per GB (all threads of all the node's processes: what a rank's restore costs in
-cores, so what it can reach on a host with more cores than this one).
+reports CPU seconds per GB (all threads of all the node's processes but ``--busy-scheduler``'s thread: what a rank's
+restore costs in cores, so what it can reach on a host with more cores than this one).
 
-``--busy-scheduler``: a Python thread per rank runs without pause through the timed prefetch, as a GPU
-server's scheduler thread does while a request waits for it. ``--gil-switch-interval-ms 0,0.5``: our rows
+``--busy-scheduler``: a Python thread per rank runs without pause through the timed backup (to the ack) and
+the timed prefetch, as a GPU server's scheduler thread does beside them; each row then gives the scheduler
+seconds lost per GB moved (its time beside the operation times the share of its idle rate it lost). ``--gil-switch-interval-ms 0,0.5``: our rows
 once per value of the store's ``io.gil_switch_interval_ms`` (0: the interpreter's own 5 ms), which bounds
 each GIL hand-off between the busy thread and the restore's threads.
 
@@ -186,11 +187,19 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+        idle_turns = None
+        if busy:  # the busy thread's rate with nothing beside it: what the rates under load compare with
+            with BusyScheduler() as idle:
+                time.sleep(0.5)
+            idle_turns = idle.turns_per_s
         r.dist.barrier()
         c0 = cpu_s()
-        t0 = time.perf_counter()
-        backed = r.backup(tokens, hi, timeout=600, hashes=hashes)
-        t_ack = time.perf_counter() - t0
+        # --busy-scheduler: the scheduler thread also runs through the backup (a serving process backs up
+        # while it schedules), until the controller's ack; file's later syncfs is not the server's work
+        with BusyScheduler() if busy else contextlib.nullcontext() as busy_write:
+            t0 = time.perf_counter()
+            backed = r.backup(tokens, hi, timeout=600, hashes=hashes)
+            t_ack = time.perf_counter() - t0
         if backend == "file":
             fd = os.open(file_dir, os.O_RDONLY)
             try:
@@ -198,7 +207,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             finally:
                 os.close(fd)
         t_write = time.perf_counter() - t0
-        cpu_write = cpu_s() - c0
+        cpu_write = cpu_s() - c0 - (busy_write.cpu_s if busy_write is not None else 0.0)
         phase_report = probes.report(t0, t_ack) if probes is not None else None
         r.group.free(hi)
         r.zero_host()
@@ -229,7 +238,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
                 t1 = time.perf_counter()
                 hit, completed, hi2 = r.prefetch(tokens, timeout=600)
                 t_read = time.perf_counter() - t1
-            cpu_read = cpu_s() - c1
+            cpu_read = cpu_s() - c1 - (busy_thread.cpu_s if busy_thread is not None else 0.0)
             k1 = counters()
         read_phase_report = probes.report(t1, t_read, end="prefetch_done") if probes is not None else None
         # the store's own share of the prefetch: wall time inside its page reads and its hit queries
@@ -241,8 +250,11 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
         engine = r.backend.store.stats()["read_engine_effective"] if backend == "cp_l3" else None
         return {"rank": rank, "zero_copy_pages": zero_copy_pages, "owned_pages": owned, "page_bytes": r.page_nbytes,
                 "read_engine": engine, "switch_interval_ms": switch_s * 1e3,
-                # what the busy thread (the scheduler) still got done per second through the prefetch
+                # what the busy thread (the scheduler) still got done per second through the prefetch,
+                # through the backup, and alone
                 "busy_turns_per_s": busy_thread.turns_per_s if busy_thread is not None else None,
+                "busy_write_turns_per_s": busy_write.turns_per_s if busy_write is not None else None,
+                "busy_idle_turns_per_s": idle_turns,
                 "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
                 "store_read_s": store_read_s, "store_hitq_s": store_hitq_s,
@@ -450,6 +462,14 @@ def summarize(name, results):
                                          if "switch_interval_ms" in r}),
            "busy_turns_per_s": (med([r["busy_turns_per_s"] for rep in results for r in rep])
                                 if any(r.get("busy_turns_per_s") for rep in results for r in rep) else None),
+           # the scheduler's seconds lost per GB the rank moved: its time beside the backup (to the ack) or the
+           # prefetch, times the share of its idle rate it lost there (GIL hand-offs and, on a host with few
+           # cores, the cores the I/O threads take)
+           **{f"sched_lost_s_per_gb_{op}": (
+               med([r[t] * max(0.0, 1 - r[k] / r["busy_idle_turns_per_s"]) / (r["owned_pages"] * r["page_bytes"] / 1e9)
+                    for rep in results for r in rep])
+               if all(r.get(k) and r.get("busy_idle_turns_per_s") for rep in results for r in rep) else None)
+              for op, k, t in (("write", "busy_write_turns_per_s", "t_ack"), ("read", "busy_turns_per_s", "t_read"))},
            # CPU seconds of every process of the node (ranks, or the raw process) per GB moved
            "read_cpu_s_per_gb": med([sum(r["cpu_read"] for r in rep) / (b / 1e9) for rep, b in zip(results, node_bytes)]),
            "write_cpu_s_per_gb": med([sum(r["cpu_write"] for r in rep) / (b / 1e9)
@@ -580,7 +600,9 @@ def _row_line(s: dict, summaries: list) -> str:
                f"{s['outside_store_node_s'][0] * 1e3:.1f} ms past its longest store time)"
                if s.get("store_read_gbps_rank") else "")
             + (f"; the busy thread ran {s['busy_turns_per_s'][0] / 1e3:.0f}K turns/s through the prefetch"
-               if s.get("busy_turns_per_s") else ""))
+               if s.get("busy_turns_per_s") else "")
+            + (f"; scheduler seconds lost per GB: backup {s['sched_lost_s_per_gb_write'][0]:.3f}, prefetch "
+               f"{s['sched_lost_s_per_gb_read'][0]:.3f}" if s.get("sched_lost_s_per_gb_write") else ""))
 
 
 def main():

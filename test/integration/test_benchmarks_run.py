@@ -84,7 +84,7 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     """--no-file drops upstream's file row (its columns print '-'); --backup-ack takes a list, here the
     per-operation ack through upstream's backup thread; --read-engine native restores through the C engine
     behind upstream's prefetch thread (the script checks every byte); --cp picks the CP sizes;
-    --busy-scheduler keeps a Python thread running through the timed prefetch, and our rows' stores set the
+    --busy-scheduler keeps a Python thread running through the timed backup and prefetch, and our rows' stores set the
     rank processes' switch interval to 1 ms (io.gil_switch_interval_ms) while the raw row keeps CPython's."""
     out = disk_tmp / "cp.json"
     proc = subprocess.run(
@@ -103,6 +103,9 @@ def test_bench_cp_l3_operation_ack_and_native_reads_without_the_file_row(disk_tm
     assert [s["busy_scheduler"] for s in rows] == [False, True, True]
     assert [s["switch_interval_ms"] for s in rows[1:]] == [[1.0], [1.0]]
     assert rows[0]["busy_turns_per_s"] is None and all(s["busy_turns_per_s"][0] > 0 for s in rows[1:]), rows
+    # the busy thread also runs through the backup: what the scheduler lost per GB beside each operation
+    assert rows[0]["sched_lost_s_per_gb_write"] is None
+    assert all(s[f"sched_lost_s_per_gb_{op}"][0] >= 0 for s in rows[1:] for op in ("write", "read")), rows
     assert all(s["read_cpu_s_per_gb"][0] > 0 for s in rows), rows  # every row reports its CPU per GB
     assert "read CPU s/GB" in proc.stdout
     # each row is printed as it lands, against its raw row: a run cut by a bound keeps what it measured
