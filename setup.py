@@ -1,5 +1,5 @@
-"""The package's one compiled part: sglang_cp/l3/_native (the L3 store's CRC32C, native read engine and
-hit-query key hasher), built here by the package build and shipped in the wheel, never compiled on a
+"""The package's one compiled part: sglang_cp/l3/_native (the L3 store's CRC32C, write staging copy, native read
+engine and hit-query key hasher), built here by the package build and shipped in the wheel, never compiled on a
 serving host at run time. Everything else is in pyproject.toml.
 
 The build is optional: without a C compiler the package installs without it, says so, and a store
@@ -30,7 +30,7 @@ setup(
     ext_modules=[Extension(
         "sglang_cp.l3._native",
         sources=[NATIVE + f for f in ("module.c", "crc32c.c", "read_pages.c", "read_uring.c", "key_digests.c",
-                                      "page_runs.c", "held_probe.c")],
+                                      "page_runs.c", "held_probe.c", "stage_pages.c")],
         depends=[NATIVE + "cpl3_native.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fvisibility=default"],
         extra_link_args=["-pthread"],

@@ -20,19 +20,29 @@ class Tokens:
         self._free = limit
         self._shut = False
         self._cond = threading.Condition()
+        self._waiting: list[int] = []  # how many free tokens each blocked caller waits for
 
-    def acquire(self, blocking: bool = True, deadline: Optional[float] = None) -> bool:
+    def acquire(self, blocking: bool = True, deadline: Optional[float] = None, ready: int = 1) -> bool:
+        """One token. A caller that finds none free blocks until `ready` are free (at most the limit), so
+        it wakes once per run of returned tokens rather than once per token: each wake-up of a thread
+        costs it up to the switch interval to get the GIL back beside a busy Python thread."""
         with self._cond:
-            while not self._free or self._shut:
-                if self._shut or not blocking:
-                    return False
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._cond.wait(left)
+            if not self._free and blocking and not self._shut:
+                need = max(1, min(ready, self.limit))
+                self._waiting.append(need)
+                try:
+                    while self._free < need and not self._shut:
+                        if deadline is None:
+                            self._cond.wait()
+                        else:
+                            left = deadline - time.monotonic()
+                            if left <= 0:
+                                return False
+                            self._cond.wait(left)
+                finally:
+                    self._waiting.remove(need)
+            if self._shut or not self._free:
+                return False
             self._free -= 1
             return True
 
@@ -41,7 +51,8 @@ class Tokens:
             if self._free >= self.limit:
                 raise L3InvariantError(f"token released twice ({self.limit} tokens)")
             self._free += 1
-            self._cond.notify()
+            if self._waiting and self._free >= min(self._waiting):
+                self._cond.notify_all()
 
     def shut(self) -> None:
         """Every waiter (now and later) gets False at once."""
@@ -72,9 +83,11 @@ class Staging:
         self.limit = limit
         self.in_use = 0
 
-    def acquire(self, extent: int, blocking: bool = True, deadline: Optional[float] = None) -> Optional[memoryview]:
-        """A staging slot, or None: not blocking and none free, past `deadline`, or shut."""
-        if not self._sem.acquire(blocking, deadline):
+    def acquire(self, extent: int, blocking: bool = True, deadline: Optional[float] = None,
+                ready: int = 1) -> Optional[memoryview]:
+        """A staging slot, or None: not blocking and none free, past `deadline`, or shut. When none is free
+        the caller sleeps until `ready` are (``Tokens.acquire``)."""
+        if not self._sem.acquire(blocking, deadline, ready):
             return None
         with self._lock:
             self.in_use += 1

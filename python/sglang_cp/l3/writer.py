@@ -261,12 +261,18 @@ class WriteThread:
                     # the slot may hold bytes of whatever the caller put there since. Never indexed; the
                     # slot is freed only now that the I/O returned (io.zero_copy_writes).
                     t.error = "abandoned"
+            # Staging comes back here, on the I/O thread, the moment no I/O reads it: a submitter waiting
+            # for slots then wakes at once rather than after the write thread's next turn (each thread
+            # that wakes waits up to the switch interval for the GIL beside a busy scheduler thread).
+            self._release_buffers(run)
         st.post(IoDone(run))
 
     def _release_buffers(self, run: list[WriteTask]) -> None:
         """Once its pwrite returned, a page's staging image is not needed any more: fdatasync and the
         index commit work on the file, and a failed page is never rewritten from staging. Freeing the
-        token here, not at DURABLE, keeps submitters copying while a group commit runs."""
+        token then, not at DURABLE, keeps submitters copying while a group commit runs. The I/O thread
+        frees its run's buffers before it posts IoDone; the write thread's call on IoDone is then a no-op
+        (release_buffer is idempotent, and IoDone orders the two)."""
         for t in run:
             t.release_buffer(self.st.staging)
 

@@ -161,3 +161,37 @@ def held_sync():
             syncs.arrived.set()
             assert gate.wait(30), "test gate never opened"
     return injector, gate, syncs
+
+
+def build_native_variant(tmp_path, name: str, text: str, out: str = "variant.so") -> str:
+    """The native library built from the shipped C sources with `name` (e.g. "read_pages.c") replaced by
+    `text`: a deliberately wrong engine for a test that must be able to fail. Every other source goes in
+    as shipped (module.c aside: the Python face), so the variant exports every function the loader
+    declares. Skips when no C compiler is installed."""
+    import shutil
+
+    import pytest
+
+    from sglang_cp.l3 import native
+
+    cc = shutil.which(os.environ.get("CC", "cc").split()[0])
+    if cc is None:
+        pytest.skip("needs a C compiler to build a deliberately wrong library")
+    src = os.path.dirname(native.__file__)  # the C sources sit beside their ctypes loader
+    changed = os.path.join(str(tmp_path), name)
+    with open(changed, "w") as f:
+        f.write(text)
+    others = sorted(os.path.join(src, f) for f in os.listdir(src)
+                    if f.endswith(".c") and f not in (name, "module.c"))
+    lib = os.path.join(str(tmp_path), out)
+    subprocess.run([cc, "-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-I", src, "-o", lib, changed] + others,
+                   check=True)
+    return lib
+
+
+def native_source(name: str) -> str:
+    """A shipped C source of the native library, as text."""
+    from sglang_cp.l3 import native
+
+    with open(os.path.join(os.path.dirname(native.__file__), name)) as f:
+        return f.read()

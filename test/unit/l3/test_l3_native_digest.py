@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import subprocess
 
 import pytest
 
-from l3_helpers import config_doc, page
+from l3_helpers import build_native_variant, config_doc, native_source, page
 from sglang_cp.l3 import L3Store, parse_l3_config
 from sglang_cp.l3 import native
 from sglang_cp.l3.format.blob import digest_list, key_digests
@@ -77,16 +75,10 @@ def test_without_the_native_library_the_start_is_refused_naming_the_field(monkey
 def test_a_library_whose_digests_differ_is_refused(tmp_path, monkeypatch):
     """The load-time check against hashlib: a build that hashes differently (one IV word changed here)
     would name every page wrongly, so the store must not start with it."""
-    cc = shutil.which(os.environ.get("CC", "cc").split()[0])
-    if cc is None:
-        pytest.skip("needs a C compiler to build a deliberately wrong library")
-    src = os.path.dirname(native.__file__)  # the C sources sit beside their ctypes loader
-    bad = tmp_path / "key_digests.c"
-    with open(os.path.join(src, "key_digests.c")) as f:
-        bad.write_text(f.read().replace("0x6a09e667f3bcc908ULL", "0x6a09e667f3bcc909ULL", 1))
-    lib = tmp_path / "_native_wrong.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-I", src, "-o", str(lib), str(bad),
-                    os.path.join(src, "crc32c.c"), os.path.join(src, "read_pages.c")], check=True)
+    text = native_source("key_digests.c")
+    assert text.count("0x6a09e667f3bcc908ULL") >= 1
+    lib = build_native_variant(tmp_path, "key_digests.c",
+                               text.replace("0x6a09e667f3bcc908ULL", "0x6a09e667f3bcc909ULL", 1), "_native_wrong.so")
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "library_path", lambda: str(lib))
     with pytest.raises(L3StartupError, match="differ from hashlib's blake2b"):

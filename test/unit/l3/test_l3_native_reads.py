@@ -9,10 +9,7 @@ caller's memory.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import subprocess
 import threading
 import time
 
@@ -20,7 +17,7 @@ import crc32c as crc32c_pkg
 import numpy as np
 import pytest
 
-from l3_helpers import config_doc, page
+from l3_helpers import build_native_variant, config_doc, native_source, page
 from sglang_cp.l3 import L3Store, native, parse_l3_config
 from sglang_cp.l3.format.index import index_key
 from sglang_cp.l3.errors import L3ConfigError, L3InvariantError, L3StartupError
@@ -133,19 +130,11 @@ def test_no_byte_reaches_the_callers_page_after_the_gate_closed(l3_root):
 def test_the_gate_race_check_catches_a_gate_that_does_not_close(l3_root, tmp_path):
     """The check above must be able to fail: against an engine whose gate never refuses a copy (built
     here from the shipped sources with that one line changed), the caller's pages change after close."""
-    cc = shutil.which(os.environ.get("CC", "cc").split()[0])
-    if cc is None:
-        pytest.skip("needs a C compiler to build the broken engine")
-    src = os.path.dirname(native.__file__)  # the C sources sit beside their ctypes loader
-    with open(os.path.join(src, "read_pages.c")) as f:
-        text = f.read()
+    text = native_source("read_pages.c")
     broken = text.replace("if (__atomic_load_n(&g->closed, __ATOMIC_SEQ_CST)) {", "if (0) {", 1)
     broken = broken.replace("if (__atomic_load_n(&gate->closed, __ATOMIC_SEQ_CST)) {", "if (0) {", 1)
     assert broken.count("if (0) {") == 2
-    (tmp_path / "read_pages.c").write_text(broken)
-    lib = tmp_path / "broken.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-I", src, "-o", str(lib), str(tmp_path / "read_pages.c"),
-                    os.path.join(src, "crc32c.c"), os.path.join(src, "key_digests.c")], check=True)
+    lib = build_native_variant(tmp_path, "read_pages.c", broken, "broken.so")
     assert _gate_race(l3_root, str(lib), rounds=8) > 0
 
 

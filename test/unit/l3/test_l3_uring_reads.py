@@ -16,7 +16,6 @@ import ctypes
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from l3_helpers import config_doc, page
+from l3_helpers import build_native_variant, config_doc, native_source, page
 from sglang_cp.l3 import L3Store, native, parse_l3_config
 from sglang_cp.l3.errors import L3ConfigError, L3StartupError
 from sglang_cp.l3.format.index import index_key
@@ -33,7 +32,6 @@ from sglang_cp.l3.native.uring import PIECE_BYTES, UringReader, declare, probe
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.dirname(native.__file__)  # the C sources sit beside the ctypes loader (l3/native/)
 
 
 @pytest.fixture(autouse=True)
@@ -77,17 +75,9 @@ def _read(reader, s, keys, first):
 
 def _broken(tmp_path, old: str, new: str) -> ctypes.CDLL:
     """The engine built from the shipped sources with one guard taken out."""
-    cc = shutil.which(os.environ.get("CC", "cc").split()[0])
-    if cc is None:
-        pytest.skip("needs a C compiler to build the engine without its guard")
-    with open(os.path.join(SRC, "read_uring.c")) as f:
-        text = f.read()
+    text = native_source("read_uring.c")
     assert text.count(old) == 1, old
-    (tmp_path / "read_uring.c").write_text(text.replace(old, new))
-    lib = tmp_path / "broken.so"
-    subprocess.run([cc, "-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-I", SRC, "-o", str(lib),
-                    str(tmp_path / "read_uring.c")] + [os.path.join(SRC, f) for f in
-                                                       ("read_pages.c", "crc32c.c", "key_digests.c")], check=True)
+    lib = build_native_variant(tmp_path, "read_uring.c", text.replace(old, new), "broken.so")
     broken = ctypes.CDLL(str(lib))
     native._declare(broken)  # the gate's functions, as the package's library has them
     return declare(broken)

@@ -4,6 +4,8 @@ The package build compiles `native/*.c` into the stable-ABI extension `sglang_cp
 nothing is compiled on a serving host. Its functions are plain C called through ctypes, which releases
 the GIL for each call, so I/O threads and digest threads run them in parallel:
   cpl3_crc32c             CRC32C (SSE4.2, three chains), the checksum of every blob
+  cpl3_stage_pages        the write path's staging copy and checksum of a run of pages in one call
+                          (stage_pages below; used whenever the library is installed)
   cpl3_read_pages         the native read engine (io.read_engine = "native"): native/reads.py
   cpl3_gate_close         closes an operation's permission to write the caller's pages
   cpl3_uring_*            the io_uring read engine (io.read_engine = "uring"): native/uring.py declares them
@@ -89,6 +91,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, u8p, sz, u32, u64 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint64
     lib.cpl3_crc32c.argtypes = [u32, vp, sz]
     lib.cpl3_crc32c.restype = u32
+    lib.cpl3_stage_pages.argtypes = [u64, vp, vp, u64, vp]
+    lib.cpl3_stage_pages.restype = None
     lib.cpl3_crc32c_hardware.argtypes = [ctypes.c_int]
     lib.cpl3_crc32c_hardware.restype = ctypes.c_int
     lib.cpl3_read_pages.argtypes = [ctypes.c_int, u32, u32, u64, u64, vp, u64, vp, u64, ctypes.POINTER(Gate)]
@@ -149,6 +153,30 @@ def held_probe(table: np.ndarray, raw: bytes, max_probes: int, mask: int):
     past = lib.cpl3_held_probe(table.ctypes.data, table.size - 1, raw, n, max_probes, mask, out.ctypes.data,
                                ctypes.addressof(full))
     return out, full.value, past
+
+
+def installed() -> Optional[ctypes.CDLL]:
+    """The library if this installation has it, else None: for paths with a Python fallback (the write
+    path's staging copy). A library that is installed but does not load is a broken installation: that
+    raises, naming the file, rather than quietly taking the slower path."""
+    if _lib is None and library_path() is None:
+        return None
+    try:
+        return load("the write path's staging copy", "native")
+    except L3StartupError as e:
+        raise L3StartupError(f"sglang-cp's native library is installed but does not load ({e}); reinstall "
+                             "sglang-cp on this host") from None
+
+
+def stage_pages(lib: ctypes.CDLL, dsts: np.ndarray, srcs: np.ndarray, nbytes: int) -> np.ndarray:
+    """Copy `nbytes` from each address in `srcs` to the one in `dsts` (uint64 arrays; the caller keeps both
+    sides alive) and return each copy's CRC32C (uint32), in one call, so one GIL release for the run."""
+    n = len(dsts)
+    if len(srcs) != n:
+        raise L3InvariantError(f"stage_pages: {n} destinations but {len(srcs)} sources")
+    crcs = np.empty(n, dtype=np.uint32)
+    lib.cpl3_stage_pages(n, dsts.ctypes.data, srcs.ctypes.data, nbytes, crcs.ctypes.data)
+    return crcs
 
 
 def crc32c(data, value: int = 0) -> int:
