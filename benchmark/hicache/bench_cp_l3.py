@@ -29,14 +29,15 @@ on its own device. Two directories on one filesystem are refused; two on one dis
 
 ``--read-engine python|native|uring|both|all``: io.read_engine of our rows (one row per engine; both =
 python,native, all = the three; a comma-separated list works too). Every row also
-reports CPU seconds per GB (all threads of all the node's processes but ``--busy-scheduler``'s thread: what a rank's
-restore costs in cores, so what it can reach on a host with more cores than this one).
+reports CPU seconds per GB (all threads of all the node's processes but ``--busy-scheduler``'s thread:
+what a rank's restore costs in cores, so what it can reach on a host with more cores than this one).
 
-``--busy-scheduler``: a Python thread per rank runs without pause through the timed backup (to the ack) and
-the timed prefetch, as a GPU server's scheduler thread does beside them; each row then gives the scheduler
-seconds lost per GB moved (its time beside the operation times the share of its idle rate it lost). ``--gil-switch-interval-ms 0,0.5``: our rows
-once per value of the store's ``io.gil_switch_interval_ms`` (0: the interpreter's own 5 ms), which bounds
-each GIL hand-off between the busy thread and the restore's threads.
+``--busy-scheduler``: a Python thread per rank runs without pause through the timed backup (to the ack)
+and the timed prefetch, as a GPU server's scheduler thread does beside them; each row then gives the
+scheduler seconds lost per GB moved (its time beside the operation times the share of its idle rate it
+lost). ``--gil-switch-interval-ms 0,0.5``: our rows once per value of the store's
+``io.gil_switch_interval_ms`` (0: the interpreter's own 5 ms), which bounds each GIL hand-off between the
+busy thread and the restore's threads.
 
 The software's ceiling: point ``--dir`` at a device faster than the software, i.e. memory. On Linux >= 6.6
 tmpfs accepts O_DIRECT (``/dev/shm``); on older kernels use ext4 on a loop file in /dev/shm

@@ -270,7 +270,8 @@ def read_engines() -> tuple:
 def tier_ours(s: TierSettings, engine: str) -> Tier:
     root = s.dir(f"cp-l3-{engine}")
     cfg = os.path.join(root, "l3.toml")
-    args = _hicache(s) + ["--enable-cp-l3", "--cp-l3-config", cfg] + (_extra(_threshold(s)) if _threshold(s) else [])
+    threshold = _threshold(s)  # upstream's key, passed through --enable-cp-l3 into the config it declares
+    args = _hicache(s) + ["--enable-cp-l3", "--cp-l3-config", cfg] + (_extra(threshold) if threshold else [])
     t = Tier(f"cp-l3-{engine}", args + ["--cp-l3-cold-start", "clear"],
              f"sglang-cp L3 (--enable-cp-l3), io.read_engine = {engine!r}, {s.io_threads} I/O threads, slabs "
              f"preallocated to {s.disk_gb:g} GB in {root}/data (du counts them whole), backup_ack durable (data, "

@@ -52,7 +52,8 @@ class Tokens:
                 raise L3InvariantError(f"token released twice ({self.limit} tokens)")
             self._free += 1
             if self._waiting and self._free >= min(self._waiting):
-                self._cond.notify_all()
+                # one token serves one waiter of one; a waiter of a run may sit behind others in the queue
+                self._cond.notify(1 if max(self._waiting) == 1 else len(self._waiting))
 
     def shut(self) -> None:
         """Every waiter (now and later) gets False at once."""

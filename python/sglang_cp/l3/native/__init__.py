@@ -65,8 +65,10 @@ def unavailable(field: str, value) -> L3StartupError:
         f"(pip install --force-reinstall --no-deps <sglang-cp>), or set {field} back to its default")
 
 
-def load(field: str, value) -> ctypes.CDLL:
-    """The library, loaded once per process; L3StartupError naming `field` when it is not installed."""
+def load(field: str, value, fix: str = "reinstall sglang-cp on this host, or set the field back to its default"
+         ) -> ctypes.CDLL:
+    """The library, loaded once per process; L3StartupError naming `field` when it is not installed, and
+    `fix` when it is installed but does not load."""
     global _lib
     with _lock:
         if _lib is not None:
@@ -78,7 +80,7 @@ def load(field: str, value) -> ctypes.CDLL:
             lib = ctypes.CDLL(path)  # CDLL, not PyDLL: each call releases the GIL
         except OSError as e:
             raise L3StartupError(f"{field} = {value!r}: cannot load the sglang-cp native library {path} ({e}); "
-                                 "reinstall sglang-cp on this host, or set the field back to its default") from None
+                                 f"{fix}") from None
         _declare(lib)
         if lib.cpl3_read_item_size() != READ_ITEM.itemsize or lib.cpl3_gate_size() != ctypes.sizeof(Gate):
             raise L3InvariantError(f"{path}: its structures differ from sglang_cp.l3.native's mirror; the "
@@ -161,11 +163,7 @@ def installed() -> Optional[ctypes.CDLL]:
     raises, naming the file, rather than quietly taking the slower path."""
     if _lib is None and library_path() is None:
         return None
-    try:
-        return load("the write path's staging copy", "native")
-    except L3StartupError as e:
-        raise L3StartupError(f"sglang-cp's native library is installed but does not load ({e}); reinstall "
-                             "sglang-cp on this host") from None
+    return load("the write path's staging copy", "native", fix="reinstall sglang-cp on this host")
 
 
 def stage_pages(lib: ctypes.CDLL, dsts: np.ndarray, srcs: np.ndarray, nbytes: int) -> np.ndarray:
