@@ -30,7 +30,7 @@ setup(
     ext_modules=[Extension(
         "sglang_cp.l3._native",
         sources=[NATIVE + f for f in ("module.c", "crc32c.c", "read_pages.c", "read_uring.c", "key_digests.c",
-                                      "page_runs.c", "held_probe.c", "stage_pages.c")],
+                                      "page_runs.c", "held_probe.c", "stage_pages.c", "write_runs.c")],
         depends=[NATIVE + "cpl3_native.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-pthread", "-fvisibility=default"],
         extra_link_args=["-pthread"],

@@ -100,7 +100,7 @@ class L3Store(PageStore):
             self._timed_out(op, "write_timeouts")
         # Zero-copy only: no I/O may read the caller's pages after we return. Without a bound, wait for
         # it; with one (io.zero_copy_writes), a write still running at the deadline is abandoned: it
-        # finishes into its still-reserved slot and is never indexed (writer._io_write).
+        # finishes into its still-reserved slot and is never indexed (write_io.WriteIo._write).
         op.cancel_and_quiesce(deadline)
         self.state.raise_fatal()
         return op.final()

@@ -1,7 +1,7 @@
 """The store's write thread: sole owner of slot allocators, LRU and GC.
 
 Pipeline per page: staged by the caller (submit.py) -> slot allocated here -> O_DIRECT write on a write
-I/O thread -> group commit on the commit thread (commit.py: fdatasync of the touched slabs, then one
+I/O thread (write_io.py) -> group commit on the commit thread (commit.py: fdatasync of the touched slabs, then one
 durable LMDB txn) -> bookkeeping and DURABLE acks back here. One commit is in flight at a time; writes
 that complete while it runs form the next group, so commits batch themselves under load and the disk
 never idles for them. GC, LRU touches, deletes of bad pages and control messages run here too, so no
@@ -12,7 +12,6 @@ returned write whose commit is pending wait for that commit (fence.py).
 from __future__ import annotations
 
 import collections
-import errno
 import queue
 import threading
 from typing import Optional
@@ -23,11 +22,11 @@ from .errors import L3InvariantError
 from .fence import CommitFence
 from .gc import WatermarkPolicy
 from .format.index import IndexEntry, IndexFull, IndexUnavailable
-from .io_threads import IoThreads
 from .messages import Clear, CommitJob, Committed, Delete, Drop, IoDone, Reply, Stop, WriteBatch, WriteTask
 from .payload_slab import PayloadSlab
 from .recovery import run_cold_start
 from .state import StoreState
+from .write_io import WriteIo, release_buffers
 
 # A coalesced write covers consecutive slots up to this many bytes (one pwritev).
 _MAX_IO_BYTES = 4 << 20
@@ -48,7 +47,8 @@ class WriteThread:
         self.new: collections.deque[WriteTask] = collections.deque()
         self.completed: list[WriteTask] = []
         self.completed_bytes = 0
-        self.io_pending = 0
+        self.io_pending = 0  # pages handed to the I/O threads whose IoDone has not come back
+        self.io_groups = 0  # I/O tasks (groups of runs) handed out whose IoDone has not come back
         self.committing = False
         self.committing_bytes = 0
         self.barriers: collections.deque[Clear | Stop] = collections.deque()
@@ -57,7 +57,7 @@ class WriteThread:
         cfg = st.config
         self._gc_policy = {p: WatermarkPolicy(cfg.gc.high_watermark, cfg.gc.low_watermark, cfg.gc.max_reclaim_per_iter)
                            for p in st.pools}
-        self._io = IoThreads(cfg.io.threads, f"l3w-r{st.rank}")
+        self._io = WriteIo(st, cfg.io.threads)
         self._committer = GroupCommitter(st)
         self._thread = threading.Thread(target=self._main, name=f"l3-writer-r{st.rank}", daemon=True)
 
@@ -73,7 +73,7 @@ class WriteThread:
         return self._thread.is_alive()
 
     def shutdown_io(self) -> None:
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown()
 
     def _main(self) -> None:
         st = self.st
@@ -145,7 +145,8 @@ class WriteThread:
             self.new.extend(m.tasks)
         elif isinstance(m, IoDone):
             self.io_pending -= len(m.run)
-            self._release_buffers(m.run)
+            self.io_groups -= 1
+            release_buffers(self.st, m.run)
             self._ack_written(m.run)
             self.completed.extend(m.run)
             self.completed_bytes += sum(t.pool.page_bytes for t in m.run)
@@ -198,83 +199,30 @@ class WriteThread:
             per_io = max(1, min(_MAX_IO_BYTES // pool.extent, -(-len(tasks) // threads)))
             if pool.slab.slot_bytes != pool.extent:
                 per_io = 1
-            run: list[WriteTask] = []
+            runs: list[list[WriteTask]] = []
             for t in tasks:
-                if run and (len(run) >= per_io or t.slot != run[-1].slot + 1):
-                    self._submit_io(run)
-                    run = []
-                run.append(t)
-            if run:
-                self._submit_io(run)
+                if runs and len(runs[-1]) < per_io and t.slot == runs[-1][-1].slot + 1:
+                    runs[-1].append(t)
+                else:
+                    runs.append([t])
+            for group in self._io.groups(runs, pool.extent, threads - self.io_groups):
+                self._submit_io(group)
 
-    def _submit_io(self, run: list[WriteTask]) -> None:
-        self.io_pending += len(run)
-        if self.st.submit_io(self._io, self._io_write, run):
+    def _submit_io(self, group: list[list[WriteTask]]) -> None:
+        tasks = [t for run in group for t in run]
+        self.io_pending += len(tasks)
+        self.io_groups += 1
+        if self._io.submit(group):
             return
         # The I/O pool is shut: close() gave up waiting for this thread (busy in an index txn that the
         # device held up, e.g. a forced reclaim's delete) and failed its pages. Nothing reads the run's
         # buffers, so settle it as a failed write would be: buffers back, slots free, waiters failed.
-        self.io_pending -= len(run)
-        for t in run:
+        self.io_pending -= len(tasks)
+        self.io_groups -= 1
+        for t in tasks:
             t.error = "closed"
             t.pool.slots.free_slot(t.slot)  # never written, so nothing references it
             self._complete(t, False)
-
-    def _io_write(self, run: list[WriteTask]) -> None:
-        st = self.st
-        pool = run[0].pool
-        reading = []  # zero-copy tasks currently reading their caller's memory
-        try:
-            for t in run:
-                if t.src is not None:
-                    if t.guard.begin_io():
-                        reading.append(t)
-                    else:
-                        t.error = "cancelled"  # the caller timed out; its memory is off limits
-            live = [t for t in run if t.error is None]
-            images = [pool.seal_zero_copy(t.src, t.buf, t.slot, t.digest, t.seq) if t.src is not None
-                      else pool.seal_image(t.buf, t.slot, t.digest, t.seq, t.pcrc) for t in live]
-            try:
-                if len(live) == len(run):
-                    pool.slab.write_slots(run[0].slot, images)
-                else:
-                    raise OSError(0, "run has holes")
-            except OSError:
-                if len(live) == 1 and len(run) == 1:
-                    raise
-                # One bad sector must not fail its neighbours: retry page by page.
-                for t, img in zip(live, images):
-                    try:
-                        pool.slab.write_slot(t.slot, img)
-                    except OSError as err:
-                        self._write_failed(pool, [t], err)
-        except OSError as err:
-            self._write_failed(pool, [t for t in run if t.error is None], err)
-        except BaseException as err:  # our bug: fail these pages, then fail loud on the next call
-            for t in run:
-                t.error = repr(err)
-            st.set_fatal(err)
-        finally:
-            for t in reading:
-                if t.guard.end_io() and t.error is None:
-                    # The caller returned before this write was done with its memory (its bound passed):
-                    # the slot may hold bytes of whatever the caller put there since. Never indexed; the
-                    # slot is freed only now that the I/O returned (io.zero_copy_writes).
-                    t.error = "abandoned"
-            # Staging comes back here, on the I/O thread, the moment no I/O reads it: a submitter waiting
-            # for slots then wakes at once rather than after the write thread's next turn (each thread
-            # that wakes waits up to the switch interval for the GIL beside a busy scheduler thread).
-            self._release_buffers(run)
-        st.post(IoDone(run))
-
-    def _release_buffers(self, run: list[WriteTask]) -> None:
-        """Once its pwrite returned, a page's staging image is not needed any more: fdatasync and the
-        index commit work on the file, and a failed page is never rewritten from staging. Freeing the
-        token then, not at DURABLE, keeps submitters copying while a group commit runs. The I/O thread
-        frees its run's buffers before it posts IoDone; the write thread's call on IoDone is then a no-op
-        (release_buffer is idempotent, and IoDone orders the two)."""
-        for t in run:
-            t.release_buffer(self.st.staging)
 
     def _ack_written(self, run: list[WriteTask]) -> None:
         """Mark pages whose pwrite returned ok as written (the store reads them from their slot from now
@@ -289,15 +237,6 @@ class WriteThread:
                     early += [(op, i) for op, i in t.waiters if op.ack_at_write]
         for op, i in early:
             st.finish(op, i, AckKind.DURABLE, True)
-
-    def _write_failed(self, pool: PayloadSlab, run: list[WriteTask], err: OSError) -> None:
-        if not run:
-            return
-        code = errno.errorcode.get(err.errno, str(err.errno))
-        for t in run:
-            t.error = f"errno {code}"
-        self.st.fault("write_errors", f"write-{code}", "L3 write of %s slots %d..%d failed: %s",
-                      pool.name, run[0].slot, run[-1].slot, err)
 
     # -- group commits --------------------------------------------------------------------------------
 
@@ -352,7 +291,7 @@ class WriteThread:
             if st.inflight.get(t.ikey) is t:
                 del st.inflight[t.ikey]
             waiters = list(t.waiters)
-        self._release_buffers([t])
+        release_buffers(self.st, [t])
         for op, i in waiters:
             st.finish(op, i, AckKind.DURABLE, ok)
 

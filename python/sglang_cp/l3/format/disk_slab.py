@@ -74,18 +74,59 @@ class DiskSlab:
     def write_slots(self, first_slot: int, images: list[list[memoryview]]) -> None:
         """Write consecutive slots in one pwritev. Each image is the iovec list of one slot (payload +
         header, `extent` bytes, every piece 4 KiB aligned); coalescing needs slot_bytes == extent."""
+        off = self._check_run(first_slot, images)
+        self._inject_writes(first_slot, len(images))
+        n = os.pwritev(self.fd, [v for img in images for v in img], off)
+        self._check_written(n, first_slot, images)
+
+    def write_runs(self, pwritev_runs: Callable[[int, list[int], list[list[memoryview]]], list[int]],
+                   runs: list[tuple[int, list[list[memoryview]]]]) -> list[Optional[OSError]]:
+        """Write each run (first slot, images: as write_slots) with one pwritev, every run of the group
+        in one call of `pwritev_runs(fd, offsets, iovecs per run)` -> bytes written or -errno per run (the
+        native library's, one GIL release for the group); per run None or its OSError. A run the fault
+        seam fails is not written; the others are."""
+        errors: list[Optional[OSError]] = [None] * len(runs)
+        todo, offsets, iovecs = [], [], []
+        for i, (first, images) in enumerate(runs):
+            off = self._check_run(first, images)
+            try:
+                self._inject_writes(first, len(images))
+            except OSError as err:
+                errors[i] = err
+                continue
+            todo.append(i)
+            offsets.append(off)
+            iovecs.append([v for img in images for v in img])
+        if todo:
+            for i, n in zip(todo, pwritev_runs(self.fd, offsets, iovecs)):
+                first, images = runs[i]
+                try:
+                    if n < 0:
+                        raise OSError(-n, os.strerror(-n))
+                    self._check_written(n, first, images)
+                except OSError as err:
+                    errors[i] = err
+        return errors
+
+    def _check_run(self, first_slot: int, images: list[list[memoryview]]) -> int:
+        """The run's file offset, once its slots lie in the slab and every image is one slot's extent."""
         if len(images) > 1 and self.slot_bytes != self.extent:
             raise L3InvariantError(f"slab '{self.path}': coalesced write needs slot_bytes == extent")
         off = self._offset(first_slot)
         self._offset(first_slot + len(images) - 1)
-        for k, img in enumerate(images):
+        for img in images:
             size = sum(v.nbytes for v in img)
             if size != self.extent:
                 raise L3InvariantError(f"slab '{self.path}': image of {size} B, slot extent is {self.extent} B")
-            if self.fault_injector:
+        return off
+
+    def _inject_writes(self, first_slot: int, count: int) -> None:
+        if self.fault_injector:
+            for k in range(count):
                 self.fault_injector("write", self, first_slot + k)
+
+    def _check_written(self, n: int, first_slot: int, images: list[list[memoryview]]) -> None:
         want = self.extent * len(images)
-        n = os.pwritev(self.fd, [v for img in images for v in img], off)
         if n != want:
             raise OSError(errno.EIO, f"short write {n}/{want} B at slots {first_slot}+{len(images)}")
 

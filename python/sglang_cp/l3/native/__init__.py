@@ -6,6 +6,8 @@ the GIL for each call, so I/O threads and digest threads run them in parallel:
   cpl3_crc32c             CRC32C (SSE4.2, three chains), the checksum of every blob
   cpl3_stage_pages        the write path's staging copy and checksum of a run of pages in one call
                           (stage_pages below; used whenever the library is installed)
+  cpl3_write_runs         the write path's pwritev of a group of runs in one call (write_runs below;
+                          used whenever the library is installed)
   cpl3_read_pages         the native read engine (io.read_engine = "native"): native/reads.py
   cpl3_gate_close         closes an operation's permission to write the caller's pages
   cpl3_uring_*            the io_uring read engine (io.read_engine = "uring"): native/uring.py declares them
@@ -95,6 +97,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cpl3_crc32c.restype = u32
     lib.cpl3_stage_pages.argtypes = [u64, vp, vp, u64, vp]
     lib.cpl3_stage_pages.restype = None
+    lib.cpl3_write_runs.argtypes = [ctypes.c_int, u64, vp, vp, vp, vp]
+    lib.cpl3_write_runs.restype = None
     lib.cpl3_crc32c_hardware.argtypes = [ctypes.c_int]
     lib.cpl3_crc32c_hardware.restype = ctypes.c_int
     lib.cpl3_read_pages.argtypes = [ctypes.c_int, u32, u32, u64, u64, vp, u64, vp, u64, ctypes.POINTER(Gate)]
@@ -175,6 +179,29 @@ def stage_pages(lib: ctypes.CDLL, dsts: np.ndarray, srcs: np.ndarray, nbytes: in
     crcs = np.empty(n, dtype=np.uint32)
     lib.cpl3_stage_pages(n, dsts.ctypes.data, srcs.ctypes.data, nbytes, crcs.ctypes.data)
     return crcs
+
+
+# struct iovec on Linux x86-64 and aarch64: a pointer and a size_t
+IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
+
+
+def write_runs(lib: ctypes.CDLL, fd: int, offsets: list[int], runs: list[list[memoryview]]) -> list[int]:
+    """pwritev each run's buffers (contiguous, alive for the call) at its offset, all in one call, so one
+    GIL release for the group; per run the bytes written or -errno (EINTR retried)."""
+    n = len(runs)
+    if len(offsets) != n:
+        raise L3InvariantError(f"write_runs: {n} runs but {len(offsets)} offsets")
+    counts = np.fromiter((len(r) for r in runs), dtype=np.uint64, count=n)
+    iovs = np.empty(int(counts.sum()), dtype=IOVEC)
+    k = 0
+    for run in runs:
+        for v in run:
+            iovs[k] = (np.frombuffer(v, dtype=np.uint8).ctypes.data, v.nbytes)
+            k += 1
+    offs = np.asarray(offsets, dtype=np.uint64)
+    results = np.empty(n, dtype=np.int64)
+    lib.cpl3_write_runs(fd, n, offs.ctypes.data, counts.ctypes.data, iovs.ctypes.data, results.ctypes.data)
+    return results.tolist()
 
 
 def crc32c(data, value: int = 0) -> int:

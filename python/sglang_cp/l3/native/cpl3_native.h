@@ -8,6 +8,9 @@
 uint32_t cpl3_crc32c_raw(uint32_t state, const void *buf, size_t n);
 uint32_t cpl3_crc32c(uint32_t value, const void *buf, size_t n);
 void cpl3_stage_pages(uint64_t n, const uint64_t *dsts, const uint64_t *srcs, uint64_t nbytes, uint32_t *crcs);
+struct iovec;
+void cpl3_write_runs(int fd, uint64_t n, const uint64_t *offsets, const uint64_t *iov_counts,
+                     const struct iovec *iovs, int64_t *results);
 
 /* The read engines' shared contract (read_pages.c, read_uring.c): a page of a read, its outcome, and
  * the operation's permission to write the caller's pages. Mirrored in sglang_cp/l3/native.py. */
