@@ -90,7 +90,7 @@ class WriteBatch:
 
 @dataclass(frozen=True)
 class IoDone:
-    """A run of pages whose pwrite returned, ok or not (write I/O thread)."""
+    """The pages of one write I/O task (a group of runs) whose pwrites returned, ok or not."""
     run: list[WriteTask]
 
 

@@ -1,12 +1,12 @@
 """The store's write thread: sole owner of slot allocators, LRU and GC.
 
 Pipeline per page: staged by the caller (submit.py) -> slot allocated here -> O_DIRECT write on a write
-I/O thread (write_io.py) -> group commit on the commit thread (commit.py: fdatasync of the touched slabs, then one
-durable LMDB txn) -> bookkeeping and DURABLE acks back here. One commit is in flight at a time; writes
-that complete while it runs form the next group, so commits batch themselves under load and the disk
-never idles for them. GC, LRU touches, deletes of bad pages and control messages run here too, so no
-other thread ever changes a pool. Under backup_ack = "written" deletes and touches that follow a
-returned write whose commit is pending wait for that commit (fence.py).
+I/O thread (write_io.py) -> group commit on the commit thread (commit.py: fdatasync of the touched
+slabs, then one durable LMDB txn) -> bookkeeping and DURABLE acks back here. One commit is in flight at
+a time; writes that complete while it runs form the next group, so commits batch themselves under load
+and the disk never idles for them. GC, LRU touches, deletes of bad pages and control messages run here
+too, so no other thread ever changes a pool. Under backup_ack = "written" deletes and touches that
+follow a returned write whose commit is pending wait for that commit (fence.py).
 """
 
 from __future__ import annotations
