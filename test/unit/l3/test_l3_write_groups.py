@@ -135,3 +135,18 @@ def test_a_library_that_trusts_a_short_write_is_caught(tmp_path):
     lib = build_native_variant(tmp_path, "write_runs.c", text.replace(old, trusting))
     got = _short_write(tmp_path, variant=lib)
     assert got["errors"][1] is None  # the short write went unseen
+
+
+def test_idle_threads_get_a_share_each_before_runs_are_grouped(make_store, calls):
+    """The device must still see io.threads requests: while threads are idle each gets a share of the
+    work; once none is, runs go in groups of up to 32 MB. Without the library every task is one run."""
+    s = make_store(payloads={"kv": BIG}, capacity_gb=0.25)
+    io = s._writer._io
+    ext = s.state.pools["kv"].extent
+    runs = [[object()] for _ in range(16)]  # 16 one-page runs of 4.2 MB
+    assert [len(g) for g in io.groups(runs, ext, idle=4)] == [4, 4, 4, 4]
+    assert [len(g) for g in io.groups(runs, ext, idle=16)] == [1] * 16
+    busy = io.groups(runs, ext, idle=0)
+    assert sum(len(g) for g in busy) == 16 and all(len(g) * ext <= 32 << 20 for g in busy) and len(busy) == 3
+    io._pwritev_runs = None
+    assert [len(g) for g in io.groups(runs, ext, idle=0)] == [1] * 16
