@@ -64,10 +64,6 @@ class _Staged(NamedTuple):
     buf: memoryview  # its staging slot
 
 
-def _address(buf: memoryview) -> int:
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
-
-
 class WriteSubmitter:
     def __init__(self, st: StoreState):
         self.st = st
@@ -191,8 +187,8 @@ class WriteSubmitter:
         # CRC each copy while it is hot in cache, here rather than on an I/O thread: an I/O thread that
         # checksums is not writing, and the disk then sees fewer than io.threads requests.
         if self.native is not None:
-            dsts = np.array([_address(p.buf) for p in run], dtype=np.uint64)
-            srcs = np.array([_address(p.view) for p in run], dtype=np.uint64)
+            dsts = np.array([native.address(p.buf) for p in run], dtype=np.uint64)
+            srcs = np.array([native.address(p.view) for p in run], dtype=np.uint64)
             crcs = native.stage_pages(self.native, dsts, srcs, n).tolist()
         else:
             crcs = []

@@ -170,6 +170,11 @@ def installed() -> Optional[ctypes.CDLL]:
     return load("the write path's staging copy", "native", fix="reinstall sglang-cp on this host")
 
 
+def address(buf) -> int:
+    """Start address of a contiguous buffer (a memoryview the caller keeps alive), for a C call."""
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
 def stage_pages(lib: ctypes.CDLL, dsts: np.ndarray, srcs: np.ndarray, nbytes: int) -> np.ndarray:
     """Copy `nbytes` from each address in `srcs` to the one in `dsts` (uint64 arrays; the caller keeps both
     sides alive) and return each copy's CRC32C (uint32), in one call, so one GIL release for the run."""
@@ -192,12 +197,7 @@ def write_runs(lib: ctypes.CDLL, fd: int, offsets: list[int], runs: list[list[me
     if len(offsets) != n:
         raise L3InvariantError(f"write_runs: {n} runs but {len(offsets)} offsets")
     counts = np.fromiter((len(r) for r in runs), dtype=np.uint64, count=n)
-    iovs = np.empty(int(counts.sum()), dtype=IOVEC)
-    k = 0
-    for run in runs:
-        for v in run:
-            iovs[k] = (np.frombuffer(v, dtype=np.uint8).ctypes.data, v.nbytes)
-            k += 1
+    iovs = np.array([(address(v), v.nbytes) for run in runs for v in run], dtype=IOVEC)
     offs = np.asarray(offsets, dtype=np.uint64)
     results = np.empty(n, dtype=np.int64)
     lib.cpl3_write_runs(fd, n, offs.ctypes.data, counts.ctypes.data, iovs.ctypes.data, results.ctypes.data)
