@@ -106,9 +106,27 @@ def build_workload(args, model_dir: str) -> tuple:
         note = wl.device_pool_note(args.device_tokens, args.concurrency, args.doc_tokens + args.suffix_tokens)
         if note:
             desc += f"; {note}"
+    for note in pool_notes(args, model_dir, prompts):
+        desc += f"; {note}"
     if cfg.get("vocab_size") is None:
         raise SystemExit(f"{model_dir}/config.json has no vocab_size: the prompts' token ids need it")
     return prompts, desc
+
+
+def default_device_tokens(prompts: list) -> int:
+    """The device pool when --device-tokens is not given: two of the longest request, answer included."""
+    return 2 * max(p.tokens + p.output_tokens for p in prompts) + 2 * wl.PAGE
+
+
+def pool_notes(args, model_dir: str, prompts: list) -> list:
+    """``host_pool_notes`` when the run has a tier with a HiCache host pool. The device pool is
+    --device-tokens or ``model_setup``'s default."""
+    names = [t.strip() for t in args.tiers.split(",")] if args.tiers else None
+    if not args.hicache_size or (names is not None and not set(names) - peer_report.NO_HICACHE_HOST_POOL):
+        return []
+    device = args.device_tokens or default_device_tokens(prompts)
+    return wl.host_pool_notes(int(args.hicache_size * GB), device, ttft.kv_bytes_per_token(model_dir),
+                              args.concurrency, [p.tokens for p in prompts])
 
 
 def trace_workload(args, trace: str) -> tuple:
@@ -284,11 +302,14 @@ def storage_counters(srv):
         text = srv.metrics_text(timeout_s=10)
     except (OSError, ValueError):
         return None
-    summed, by_outcome = harness.parse_metrics(text), harness.parse_metrics(text, by_label="outcome")
+    by_label: dict = {None: harness.parse_metrics(text)}
     out = {}
     for name in peer_report.STORAGE_COUNTERS:
-        metric, outcome = peer_report.split_counter(name)
-        out[name] = summed.get(metric, 0.0) if outcome is None else by_outcome.get(metric, {}).get(outcome, 0.0)
+        metric, label, value = peer_report.split_counter(name)
+        if label not in by_label:
+            by_label[label] = harness.parse_metrics(text, by_label=label)
+        got = by_label[label].get(metric, 0.0 if label is None else {})
+        out[name] = got if label is None else got.get(value, 0.0)
     return out
 
 
@@ -420,7 +441,7 @@ def model_setup(args, model: str, prompts: list) -> tuple:
     """(model flags, ServerProcess settings, base environment) shared by every tier."""
     longest = max(p.tokens + p.output_tokens for p in prompts)
     if not args.device_tokens:
-        args.device_tokens = 2 * longest + 2 * wl.PAGE
+        args.device_tokens = default_device_tokens(prompts)
     flags = list(args.server_arg or [])
     if args.kv_cache_dtype:
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
@@ -456,6 +477,7 @@ def cmd_run(args) -> int:
     tiers = select_tiers(args, s)
     result = {"schema": 1,
               "meta": {"model": os.path.basename(model), "workload": desc, "kv_sensitive": args.kv_sensitive,
+                       "kv_bytes_per_token": ttft.kv_bytes_per_token(model),
                        "block_tokens": args.block_tokens, "device_tokens": args.device_tokens,
                        "host_gb": args.hicache_size, "disk_gb": args.disk_gb, "prefetch_policy": args.prefetch_policy,
                        "prefetch_threshold": args.prefetch_threshold,

@@ -76,6 +76,12 @@ STORAGE_COUNTERS = {
     "sglang:storage_prefetch_hit_tokens_total": "storage hit (query)",
     "sglang:prefetched_tokens_total": "prefetched",
     "sglang:storage_prefetch_unfulfilled_tokens_total": "hit, not loaded",
+    # ... and why, by upstream's reason label (UnifiedRadixCache; attempt-level: a request whose prefetch is
+    # retried counts each attempt): host_capacity = no room in the host pool for the hit
+    **{f'sglang:storage_prefetch_unfulfilled_tokens_total{{reason="{r}"}}': f"not loaded: {r.replace('_', ' ')}"
+       for r in ("host_capacity", "below_threshold", "anchor_lost", "deadline", "storage_transfer",
+                 "device_overlap", "cache_admission_shortfall", "aux_window_trim", "device_covered",
+                 "device_capacity", "dropped")},
     "sglang:storage_prefetch_deferred_tokens_total": "deferred",
     "sglang:cp_l3_spill_pages_total": "L3 pages written",
     "sglang:cp_l3_gc_reclaimed_total": "L3 pages reclaimed",
@@ -91,9 +97,13 @@ STORAGE_COUNTERS = {
 
 
 def split_counter(name: str):
-    """A STORAGE_COUNTERS key -> (metric, outcome label value or None)."""
+    """A STORAGE_COUNTERS key -> (metric, label name, label value), the last two None for a metric summed
+    over all its series."""
     metric, _, rest = name.partition("{")
-    return metric, (rest.split('"')[1] if rest else None)
+    if not rest:
+        return metric, None, None
+    label, _, value = rest.rstrip("}").partition("=")
+    return metric, label, value.strip('"')
 
 
 def counters_table(result: dict) -> str:
@@ -219,10 +229,38 @@ def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
     return "\n".join(lines)
 
 
+NO_HICACHE_HOST_POOL = {"no-hicache", "lmcache"}  # tiers without upstream's HiCache host pool
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+
+
+def pool_limits(result: dict) -> list:
+    """``peer_workloads.host_pool_notes`` of a saved run (its host pool, device pool, clients and prompts),
+    for the runs with a HiCache tier; [] when it has none or the run does not say enough. Runs saved before
+    ``meta.kv_bytes_per_token`` take it from their model's config in ``benchmark/hicache/models``."""
+    meta = result.get("meta", {})
+    if not meta.get("host_gb") or not meta.get("device_tokens") or not result.get("prompts"):
+        return []
+    if not {t["name"] for t in result["tiers"]} - NO_HICACHE_HOST_POOL:
+        return []
+    bpt = meta.get("kv_bytes_per_token")
+    if bpt is None:
+        model_dir = os.path.join(MODELS_DIR, meta.get("model") or "-")
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            return []
+        from benchmark.hicache.bench_server_ttft import kv_bytes_per_token
+        bpt = kv_bytes_per_token(model_dir)
+    return wl.host_pool_notes(int(meta["host_gb"] * GB), meta["device_tokens"], bpt, meta.get("concurrency") or 1,
+                              [p["tokens"] for p in result["prompts"]])
+
+
 def markdown(result: dict, rows: list) -> str:
     meta = result.get("meta", {})
     threshold = threshold_of(result)
-    parts = [f"Workload: {meta.get('workload', '-')}", "", table(rows, threshold), ""]
+    parts = [f"Workload: {meta.get('workload', '-')}", ""]
+    limits = pool_limits(result)
+    if limits and limits[0] not in meta.get("workload", ""):  # runs saved before the run said it
+        parts += ["Pool limits (upstream's, alike on every HiCache tier): " + "; ".join(limits), ""]
+    parts += [table(rows, threshold), ""]
     if any(r["tier"].endswith(COLD) for r in rows):
         parts += [f"`{COLD.strip()}`: the page cache was synced and dropped before that tier's restart, so its storage "
                   "was read from the disk (as after a host restart, or with a working set larger than RAM); the "

@@ -51,6 +51,11 @@ on a few clients (``--loop closed``) sends later turns before earlier ones are d
 **Long-document storm** (``storm``): ``docs`` documents x ``suffixes`` suffixes, documents drawn with
 Zipf(``alpha``) popularity from a seeded RNG, each request a whole document and one of its suffixes.
 ``storm_docs_needed`` sizes ``docs`` so the documents' KV exceeds device + host pool memory.
+
+**Pool notes.** Two of upstream's limits decide what a run measures whatever the storage tier:
+``device_pool_note`` (a queued request's device prefix is evicted before admission) and
+``host_pool_notes`` (a host pool smaller than the device pool; the prefetch budget of half the host
+pool). ``bench_peers`` appends them to the workload's description, which the log and the report print.
 """
 
 from __future__ import annotations
@@ -364,6 +369,38 @@ def device_pool_note(device_tokens: int, concurrency: int, prompt_tokens: int) -
             f"{prompt_tokens}-token prompts: queued requests lose their device prefix before admission and upstream "
             f"admits some without storage after its re-issue cap (recomputed, on every tier); "
             f"--device-tokens {need} measures the storage tiers instead")
+
+
+def host_pool_notes(host_bytes: int, device_tokens: int, kv_bytes_per_token: int, concurrency: int,
+                    prompt_tokens: list) -> list:
+    """Lines on what upstream's host pool (HiCache cache mode, ``hicache_size`` GB) cannot do for this run,
+    the last one the ``--hicache-size`` (whole GB, as upstream takes it) that avoids them all; empty when
+    it can.
+
+    - A host pool smaller than the device pool holds little the device pool does not already hold
+      (upstream warns at start): its host hits measure nothing.
+    - Upstream prefetches from storage into the host pool and declines a prefetch (rate limited) once the
+      prefetches in flight reserve half the pool (``HiCacheController.prefetch_capacity_limit``; checked
+      before the new one reserves its span). A declined prefetch is retried while its request waits but
+      not once it heads the queue: computed instead, on every storage tier alike. ``concurrency`` clients
+      prefetch at most their prompts at once, so the pool never declines when the ``concurrency - 1``
+      longest ``prompt_tokens`` fit in its half (fewer when there are fewer prompts than clients)."""
+    host_tokens = int(host_bytes // kv_bytes_per_token)
+    asking = min(concurrency, len(prompt_tokens))  # clients with a prompt to send
+    in_flight = sum(sorted(prompt_tokens, reverse=True)[:max(0, asking - 1)])  # reserved when the last asks
+    notes = []
+    if host_tokens < device_tokens:
+        notes.append(f"the host pool holds {host_tokens} tokens, fewer than the device pool's {device_tokens}: "
+                     "it keeps little the device pool does not")
+    if in_flight >= host_tokens // 2:
+        notes.append(f"upstream declines a storage prefetch (rate limited) once those in flight reserve half the "
+                     f"host pool ({host_tokens // 2} tokens) and {concurrency} clients can reserve {in_flight} before "
+                     "the last one asks: declined prefetches are recomputed, on every tier")
+    if notes:
+        need_tokens = max(device_tokens, 2 * in_flight + 2)
+        notes.append(f"--hicache-size {math.ceil(need_tokens * kv_bytes_per_token / 1e9)} "
+                     "measures the storage tiers instead")
+    return notes
 
 
 def storm(docs: int, suffixes: int, requests: int, alpha: float, seed: int, doc_tokens: int,

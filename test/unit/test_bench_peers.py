@@ -616,6 +616,8 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
         before = bench.storage_counters(srv)
         text["body"] += 'sglang:prefetched_tokens_total{tp_rank="0"} 256.0\n'
         text["body"] += 'sglang:cp_l3_prefetch_outcomes_total{cp_rank="1",outcome="declined_rate_limited",tp_rank="0"} 2.0\n'
+        text["body"] += ('sglang:storage_prefetch_unfulfilled_tokens_total{reason="host_capacity",tp_rank="0"} 512.0\n'
+                         'sglang:storage_prefetch_unfulfilled_tokens_total{reason="anchor_lost",tp_rank="0"} 32.0\n')
         text["body"] = text["body"].replace("} 64.0", "} 96.0")
         after = bench.storage_counters(srv)
     finally:
@@ -627,6 +629,8 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
     assert delta["sglang:backuped_tokens_total"] == 32 and delta["sglang:prefetched_tokens_total"] == 256
     rate_limited = 'sglang:cp_l3_prefetch_outcomes_total{outcome="declined_rate_limited"}'
     assert before[rate_limited] == 1 and delta[rate_limited] == 2  # one outcome, summed over ranks
+    host_full = 'sglang:storage_prefetch_unfulfilled_tokens_total{reason="host_capacity"}'
+    assert delta[host_full] == 512 and delta["sglang:storage_prefetch_unfulfilled_tokens_total"] == 544
     assert bench.storage_counters(srv) is None  # nobody answers now
     assert bench.counter_deltas(before, None) is None
 
@@ -635,8 +639,9 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
     res["tiers"][1]["phases"]["replay"]["storage_counters"] = None  # /metrics did not answer: no row
     table = report.counters_table(res).splitlines()
     # counters nobody moved are left out
-    assert table[0] == "| tier | phase | backed up | prefetched | prefetch declined: rate limited |"
-    assert table[2:] == ["| cp-l3-python | restart | 32 | 256 | 2 |"]
+    assert table[0] == ("| tier | phase | backed up | prefetched | hit, not loaded | not loaded: host capacity "
+                        "| not loaded: anchor lost | prefetch declined: rate limited |")
+    assert table[2:] == ["| cp-l3-python | restart | 32 | 256 | 544 | 512 | 32 | 2 |"]
     assert "Storage counters from each server's `/metrics`" in report.markdown(res, report.summarize(res))
     assert report.counters_table(synthetic_result()) == ""
 
@@ -655,6 +660,51 @@ def test_a_storm_whose_device_pool_cannot_hold_its_clients_says_so():
     assert "holds 1 of the 16 clients' 16640-token prompts" in desc
     _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "266240"]), model)
     assert "clients' " not in desc and desc.startswith("storm: ")
+
+
+def test_a_host_pool_that_cannot_serve_or_prefetch_says_so_and_names_the_size_that_can():
+    """Upstream's host pool limits every HiCache tier alike: smaller than the device pool it serves
+    nothing the device pool lacks, and prefetches are declined once those in flight reserve half of it.
+    The run's description says so, with the --hicache-size (whole GB) that avoids both."""
+    bpt = 36864  # the small model's KV bytes per token
+    assert wl.host_pool_notes(9 * 10**9, 133120, bpt, 8, [16640] * 64) == []
+    # 8 GB: the pool (217,013 tokens) exceeds the device's, but its half does not take 7 prompts
+    notes = wl.host_pool_notes(8 * 10**9, 133120, bpt, 8, [16640] * 64)
+    assert len(notes) == 2 and "half the host pool (108506 tokens)" in notes[0]
+    assert "8 clients can reserve 116480 before the last one asks" in notes[0]
+    assert notes[1] == "--hicache-size 9 measures the storage tiers instead"
+    notes = wl.host_pool_notes(4 * 10**9, 133120, bpt, 8, [16640] * 64)
+    assert notes[0].startswith("the host pool holds 108506 tokens, fewer than the device pool's 133120")
+    assert len(notes) == 3 and notes[2] == "--hicache-size 9 measures the storage tiers instead"
+    # the device pool alone can set the size; the longest prompts set the budget, not the count
+    assert wl.host_pool_notes(4 * 10**9, 400000, bpt, 1, [16640])[-1] == "--hicache-size 15 measures the storage tiers instead"
+    assert wl.host_pool_notes(4 * 10**9, 1000, bpt, 3, [60000, 10, 10, 10]) != []
+    assert wl.host_pool_notes(4 * 10**9, 1000, bpt, 3, [500, 10, 10, 10]) == []
+
+    model = bench.ttft.MODELS["small"]
+    argv = ["run", "--model", "small", "--workload", "storm", "--doc-tokens", "16384", "--suffixes", "4",
+            "--requests", "8", "--concurrency", "8", "--device-tokens", "133120", "--kv-sensitive",
+            "--work-dir", "unused"]
+    _p, desc = bench.build_workload(bench.parser().parse_args(argv + ["--hicache-size", "4"]), model)
+    assert desc.endswith("; --hicache-size 9 measures the storage tiers instead") and "rate limited" in desc
+    _p, desc = bench.build_workload(bench.parser().parse_args(argv + ["--hicache-size", "9"]), model)
+    assert "--hicache-size" not in desc
+    # tiers without upstream's host pool get no note
+    _p, desc = bench.build_workload(bench.parser().parse_args(argv + ["--hicache-size", "4", "--tiers", "no-hicache"]), model)
+    assert "--hicache-size" not in desc
+
+    # the report says it of a saved run whose description did not (runs saved before the run said it)
+    res = synthetic_result()
+    res["meta"].update(host_gb=4, device_tokens=133120, concurrency=8, model="mla-h4096-32l")
+    for p in res["prompts"]:
+        p["tokens"] = 20000
+    md = report.markdown(res, report.summarize(res))
+    assert md.count("Pool limits (upstream's, alike on every HiCache tier): the host pool holds 108506 tokens") == 1
+    assert "8 clients can reserve 60000 before" in md  # three of the four prompts: no more clients ask at once
+    res["meta"]["workload"] = "storm; " + "; ".join(report.pool_limits(res))
+    assert "Pool limits" not in report.markdown(res, report.summarize(res))
+    res["meta"].update(workload="synthetic", host_gb=9)
+    assert report.pool_limits(res) == [] and "Pool limits" not in report.markdown(res, report.summarize(res))
 
 
 def test_nixl_cleaner_watermark_is_upstreams_default():
