@@ -125,7 +125,7 @@ def pool_notes(args, model_dir: str, prompts: list) -> list:
     if not args.hicache_size or (names is not None and not set(names) - peer_report.NO_HICACHE_HOST_POOL):
         return []
     device = args.device_tokens or default_device_tokens(prompts)
-    return wl.host_pool_notes(int(args.hicache_size * GB), device, ttft.kv_bytes_per_token(model_dir),
+    return wl.host_pool_notes(int(args.hicache_size * GB), device, ttft.kv_bytes_per_token(model_dir, indexer=False),
                               args.concurrency, [p.tokens for p in prompts])
 
 
@@ -477,7 +477,7 @@ def cmd_run(args) -> int:
     tiers = select_tiers(args, s)
     result = {"schema": 1,
               "meta": {"model": os.path.basename(model), "workload": desc, "kv_sensitive": args.kv_sensitive,
-                       "kv_bytes_per_token": ttft.kv_bytes_per_token(model),
+                       "host_bytes_per_token": ttft.kv_bytes_per_token(model, indexer=False),
                        "block_tokens": args.block_tokens, "device_tokens": args.device_tokens,
                        "host_gb": args.hicache_size, "disk_gb": args.disk_gb, "prefetch_policy": args.prefetch_policy,
                        "prefetch_threshold": args.prefetch_threshold,

@@ -94,16 +94,17 @@ def is_dsa(model_dir: str) -> bool:
     return "index_topk" in model_config(model_dir)  # upstream's own test (configs/model_config.py)
 
 
-def kv_bytes_per_token(model_dir: str) -> int:
+def kv_bytes_per_token(model_dir: str, indexer: bool = True) -> int:
     """Bytes of KV one token leaves per layer x layers (bf16; MLA latent row or K+V), plus the DSA
-    indexer-K row of a DSA model."""
+    indexer-K row of a DSA model unless ``indexer`` is False (upstream sizes the host pool by
+    ``--hicache-size`` on the KV alone and gives the indexer's host pool the same tokens)."""
     c = model_config(model_dir)
     layers = c["num_hidden_layers"]
     if "kv_lora_rank" in c:
         row = c["kv_lora_rank"] + c["qk_rope_head_dim"]
     else:
         row = 2 * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"])
-    return (2 * row + (INDEXER_ROW_B if "index_topk" in c else 0)) * layers
+    return (2 * row + (INDEXER_ROW_B if indexer and "index_topk" in c else 0)) * layers
 
 
 def dsa_server(args) -> tuple[list, dict]:

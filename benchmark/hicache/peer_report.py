@@ -236,19 +236,19 @@ MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
 def pool_limits(result: dict) -> list:
     """``peer_workloads.host_pool_notes`` of a saved run (its host pool, device pool, clients and prompts),
     for the runs with a HiCache tier; [] when it has none or the run does not say enough. Runs saved before
-    ``meta.kv_bytes_per_token`` take it from their model's config in ``benchmark/hicache/models``."""
+    ``meta.host_bytes_per_token`` take it from their model's config in ``benchmark/hicache/models``."""
     meta = result.get("meta", {})
     if not meta.get("host_gb") or not meta.get("device_tokens") or not result.get("prompts"):
         return []
     if not {t["name"] for t in result["tiers"]} - NO_HICACHE_HOST_POOL:
         return []
-    bpt = meta.get("kv_bytes_per_token")
+    bpt = meta.get("host_bytes_per_token")
     if bpt is None:
         model_dir = os.path.join(MODELS_DIR, meta.get("model") or "-")
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             return []
         from benchmark.hicache.bench_server_ttft import kv_bytes_per_token
-        bpt = kv_bytes_per_token(model_dir)
+        bpt = kv_bytes_per_token(model_dir, indexer=False)
     return wl.host_pool_notes(int(meta["host_gb"] * GB), meta["device_tokens"], bpt, meta.get("concurrency") or 1,
                               [p["tokens"] for p in result["prompts"]])
 

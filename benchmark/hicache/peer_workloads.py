@@ -371,7 +371,7 @@ def device_pool_note(device_tokens: int, concurrency: int, prompt_tokens: int) -
             f"--device-tokens {need} measures the storage tiers instead")
 
 
-def host_pool_notes(host_bytes: int, device_tokens: int, kv_bytes_per_token: int, concurrency: int,
+def host_pool_notes(host_bytes: int, device_tokens: int, host_bytes_per_token: int, concurrency: int,
                     prompt_tokens: list) -> list:
     """Lines on what upstream's host pool (HiCache cache mode, ``hicache_size`` GB) cannot do for this run,
     the last one the ``--hicache-size`` (whole GB, as upstream takes it) that avoids them all; empty when
@@ -385,7 +385,7 @@ def host_pool_notes(host_bytes: int, device_tokens: int, kv_bytes_per_token: int
       not once it heads the queue: computed instead, on every storage tier alike. ``concurrency`` clients
       prefetch at most their prompts at once, so the pool never declines when the ``concurrency - 1``
       longest ``prompt_tokens`` fit in its half (fewer when there are fewer prompts than clients)."""
-    host_tokens = int(host_bytes // kv_bytes_per_token)
+    host_tokens = int(host_bytes // host_bytes_per_token)
     asking = min(concurrency, len(prompt_tokens))  # clients with a prompt to send
     in_flight = sum(sorted(prompt_tokens, reverse=True)[:max(0, asking - 1)])  # reserved when the last asks
     notes = []
@@ -398,7 +398,7 @@ def host_pool_notes(host_bytes: int, device_tokens: int, kv_bytes_per_token: int
                      "the last one asks: declined prefetches are recomputed, on every tier")
     if notes:
         need_tokens = max(device_tokens, 2 * in_flight + 2)
-        notes.append(f"--hicache-size {math.ceil(need_tokens * kv_bytes_per_token / 1e9)} "
+        notes.append(f"--hicache-size {math.ceil(need_tokens * host_bytes_per_token / 1e9)} "
                      "measures the storage tiers instead")
     return notes
 

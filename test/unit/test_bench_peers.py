@@ -693,6 +693,12 @@ def test_a_host_pool_that_cannot_serve_or_prefetch_says_so_and_names_the_size_th
     _p, desc = bench.build_workload(bench.parser().parse_args(argv + ["--hicache-size", "4", "--tiers", "no-hicache"]), model)
     assert "--hicache-size" not in desc
 
+    # upstream sizes the host pool on the KV alone; a DSA model's indexer pool gets the same tokens on top
+    dsa = bench.ttft.MODELS["glm5-dsa"]
+    assert (bench.ttft.kv_bytes_per_token(dsa) - bench.ttft.kv_bytes_per_token(dsa, indexer=False)
+            == bench.ttft.INDEXER_ROW_B * bench.ttft.model_config(dsa)["num_hidden_layers"])
+    assert bench.ttft.kv_bytes_per_token(model, indexer=False) == bench.ttft.kv_bytes_per_token(model) == bpt
+
     # the report says it of a saved run whose description did not (runs saved before the run said it)
     res = synthetic_result()
     res["meta"].update(host_gb=4, device_tokens=133120, concurrency=8, model="mla-h4096-32l")
