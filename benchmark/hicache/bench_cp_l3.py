@@ -32,6 +32,11 @@ python,native, all = the three; a comma-separated list works too). Every row als
 reports CPU seconds per GB (all threads of all the node's processes but ``--busy-scheduler``'s thread:
 what a rank's restore costs in cores, so what it can reach on a host with more cores than this one).
 
+``--scheduler-steps 2,8``: the scheduler thread instead runs a server's steps (2 ms of bytecode, then 8 ms
+with the GIL released, as the forward's synchronisation releases it); each row gives the steps' p50 / p99
+wall ms alone, through the backup and through the prefetch: what the storage work in the serving process
+adds to every step of every request being served, for ours and for upstream's ``file`` alike.
+
 ``--busy-scheduler``: a Python thread per rank runs without pause through the timed backup (to the ack)
 and the timed prefetch, as a GPU server's scheduler thread does beside them; each row then gives the
 scheduler seconds lost per GB moved (its time beside the operation times the share of its idle rate it
@@ -46,7 +51,8 @@ copies, and "x raw" says how much of the machine the software leaves on the tabl
 
     python -m benchmark.hicache.bench_cp_l3 [--pages 64[,512]] [--layers 78] [--reps 3] [--quick] [--disks A,B]
         [--cp 1,2,4[,8]] [--read-engine python|native|uring|both|all] [--backup-ack durable|written|operation|both|LIST]
-        [--zero-copy off|on|both] [--phases] [--no-file] [--busy-scheduler] [--gil-switch-interval-ms 0,0.5]
+        [--zero-copy off|on|both] [--phases] [--no-file] [--busy-scheduler | --scheduler-steps 2,8]
+        [--gil-switch-interval-ms 0,0.5]
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
     sys.exit("bench_cp_l3: run it from the repository root as a module: python -m benchmark.hicache.bench_cp_l3")
 
 from benchmark.hicache import pyspy_profile  # noqa: E402  (--profile)
-from benchmark.support.busy_thread import BusyScheduler, switch_interval_list  # noqa: E402  (--busy-scheduler)
+from benchmark.support.busy_thread import BusyScheduler, scheduler_steps, switch_interval_list  # noqa: E402
 from benchmark.support.cp_harness import GLM5_KV_LORA, GLM5_ROPE, PAGE, Rank, run_ranks, tokens_for  # noqa: E402
 
 from sglang_cp.cachebench.rawdisk import drop_caches  # noqa: E402
@@ -190,15 +196,17 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
 
         hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
         idle_turns = None
+        step = busy if isinstance(busy, tuple) else None  # --scheduler-steps: (work s, wait s)
+        idle_steps = None
         if busy:  # the busy thread's rate with nothing beside it: what the rates under load compare with
-            with BusyScheduler() as idle:
-                time.sleep(0.5)
-            idle_turns = idle.turns_per_s
+            with BusyScheduler(step) as idle:
+                time.sleep(1.0 if step else 0.5)
+            idle_turns, idle_steps = idle.turns_per_s, idle.step_quantiles()
         r.dist.barrier()
         c0 = cpu_s()
         # --busy-scheduler: the scheduler thread also runs through the backup (a serving process backs up
         # while it schedules), until the controller's ack; file's later syncfs is not the server's work
-        with BusyScheduler() if busy else contextlib.nullcontext() as busy_write:
+        with BusyScheduler(step) if busy else contextlib.nullcontext() as busy_write:
             t0 = time.perf_counter()
             backed = r.backup(tokens, hi, timeout=600, hashes=hashes)
             t_ack = time.perf_counter() - t0
@@ -235,7 +243,7 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
             r.dist.barrier()
             k0 = counters()
             c1 = cpu_s()
-            with BusyScheduler() if busy else contextlib.nullcontext() as busy_thread:
+            with BusyScheduler(step) if busy else contextlib.nullcontext() as busy_thread:
                 switch_s = sys.getswitchinterval()  # as the store's io.gil_switch_interval_ms left it
                 t1 = time.perf_counter()
                 hit, completed, hi2 = r.prefetch(tokens, timeout=600)
@@ -257,6 +265,13 @@ def bench_rank(rank, world, rendezvous, l3_config, backend, file_dir, sharded, n
                 "busy_turns_per_s": busy_thread.turns_per_s if busy_thread is not None else None,
                 "busy_write_turns_per_s": busy_write.turns_per_s if busy_write is not None else None,
                 "busy_idle_turns_per_s": idle_turns,
+                # --scheduler-steps: (p50, p99) of the steps' wall ms alone, through the backup, the prefetch
+                "steps_ms": ({"idle": idle_steps, "write": busy_write.step_quantiles(),
+                              "read": busy_thread.step_quantiles()} if step else None),
+                # ... and the ms its steps took beyond their median alone, summed over the backup / prefetch
+                "steps_excess_ms": ({op: sum(max(0.0, x - idle_steps[0]) for x in b.steps_ms)
+                                     for op, b in (("write", busy_write), ("read", busy_thread))}
+                                    if step and idle_steps else None),
                 "backed": backed,
                 "t_ack": t_ack, "t_write": t_write, "t_read": t_read, "cpu_write": cpu_write, "cpu_read": cpu_read,
                 "store_read_s": store_read_s, "store_hitq_s": store_hitq_s,
@@ -417,7 +432,7 @@ def run_config(name, backend, world, sharded, args, workdir, pages, disks=None, 
         if args.profile:
             slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
             profile = os.path.join(os.path.abspath(args.profile), f"profile-{slug}-{pages}p-rep{rep}")
-        busy = bool(args.busy_scheduler)
+        busy = args.scheduler_steps or ("spin" if args.busy_scheduler else None)
         res = run_ranks(world, bench_rank, (cfg, backend, file_dir, sharded, pages, args.layers, "clear",
                                             args.phases, profile, busy), timeout=1200)
         if profile:
@@ -472,6 +487,18 @@ def summarize(name, results):
                     for rep in results for r in rep])
                if all(r.get(k) and r.get("busy_idle_turns_per_s") for rep in results for r in rep) else None)
               for op, k, t in (("write", "busy_write_turns_per_s", "t_ack"), ("read", "busy_turns_per_s", "t_read"))},
+           # --scheduler-steps: median over ranks and reps of each phase's (p50, p99) step wall ms
+           "steps_ms": ({ph: tuple(statistics.median(r["steps_ms"][ph][k] for rep in results for r in rep)
+                                   for k in (0, 1))
+                         for ph in ("idle", "write", "read")}
+                        if all(r.get("steps_ms") and all(r["steps_ms"].values()) for rep in results for r in rep)
+                        else None),
+           # ... and the step time beyond the median alone, per GB the rank moved: what the operation cost the
+           # requests being served, whatever its length
+           **{f"steps_excess_ms_per_gb_{op}": (
+               med([r["steps_excess_ms"][op] / (r["owned_pages"] * r["page_bytes"] / 1e9) for rep in results for r in rep])
+               if all(r.get("steps_excess_ms") for rep in results for r in rep) else None)
+              for op in ("write", "read")},
            # CPU seconds of every process of the node (ranks, or the raw process) per GB moved
            "read_cpu_s_per_gb": med([sum(r["cpu_read"] for r in rep) / (b / 1e9) for rep, b in zip(results, node_bytes)]),
            "write_cpu_s_per_gb": med([sum(r["cpu_write"] for r in rep) / (b / 1e9)
@@ -602,9 +629,15 @@ def _row_line(s: dict, summaries: list) -> str:
                f"{s['outside_store_node_s'][0] * 1e3:.1f} ms past its longest store time)"
                if s.get("store_read_gbps_rank") else "")
             + (f"; the busy thread ran {s['busy_turns_per_s'][0] / 1e3:.0f}K turns/s through the prefetch"
-               if s.get("busy_turns_per_s") else "")
+               if s.get("busy_turns_per_s") and not s.get("steps_ms") else "")
             + (f"; scheduler seconds lost per GB: backup {s['sched_lost_s_per_gb_write'][0]:.3f}, prefetch "
-               f"{s['sched_lost_s_per_gb_read'][0]:.3f}" if s.get("sched_lost_s_per_gb_write") else ""))
+               f"{s['sched_lost_s_per_gb_read'][0]:.3f}" if s.get("sched_lost_s_per_gb_write") else "")
+            + ("; scheduler step p50/p99 ms: " + ", ".join(
+                f"{ph} {s['steps_ms'][k][0]:.1f}/{s['steps_ms'][k][1]:.1f}"
+                for ph, k in (("alone", "idle"), ("backup", "write"), ("prefetch", "read")))
+               + f"; step ms beyond alone per GB: backup {s['steps_excess_ms_per_gb_write'][0]:.1f}, prefetch "
+                 f"{s['steps_excess_ms_per_gb_read'][0]:.1f}"
+               if s.get("steps_ms") else ""))
 
 
 def main():
@@ -643,6 +676,10 @@ def main():
     p.add_argument("--busy-scheduler", action="store_true",
                    help="a Python thread per rank runs without pause during the timed prefetch, as a GPU server's "
                         "scheduler loop does while a request waits (its CPU counts in the read CPU columns)")
+    p.add_argument("--scheduler-steps", type=scheduler_steps, metavar="WORK_MS,WAIT_MS",
+                   help="instead of --busy-scheduler's thread that never pauses, a serving scheduler's steps: "
+                        "WORK_MS of bytecode, then WAIT_MS with the GIL released (the forward), e.g. 2,8; each row "
+                        "gives the steps' p50/p99 wall ms alone, through the backup and through the prefetch")
     p.add_argument("--gil-switch-interval-ms", type=switch_interval_list, default=[0.0], metavar="MS[,MS...]",
                    help="io.gil_switch_interval_ms of our rows, one row per value (0: the interpreter's own, 5 ms)")
     args = p.parse_args()
@@ -719,7 +756,9 @@ def main():
                     s = summarize(name, run_config(name, backend, world, sharded, args, workdir, pages, dk, ack,
                                                    zc, engine, sw))
                 s.update(disks=len(dk) if dk else 1, pages=pages, backup_ack=ack, zero_copy=zc, read_engine=engine,
-                         gil_switch_interval_ms=sw or None, busy_scheduler=bool(args.busy_scheduler and backend != "raw"))
+                         gil_switch_interval_ms=sw or None, busy_scheduler=bool(args.busy_scheduler and backend != "raw"),
+                         scheduler_steps_ms=([x * 1e3 for x in args.scheduler_steps]
+                                             if args.scheduler_steps and backend != "raw" else None))
                 summaries.append(s)
                 # each row as it lands (and the JSON so far): a run cut by a bound keeps what it measured
                 tqdm.write(_row_line(s, summaries))

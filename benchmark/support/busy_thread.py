@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from typing import Optional
 
 
 def switch_interval_list(text: str) -> list:
@@ -25,23 +26,60 @@ def switch_interval_list(text: str) -> list:
     return vals
 
 
-class BusyScheduler:
-    """One Python thread that runs bytecode without pause inside the ``with`` block, as a GPU server's
-    scheduler thread does while a request waits for its prefetch (its event loop polls without
-    sleeping). ``turns_per_s`` after the block: its loop turns per second, what the scheduler would have
-    got done meanwhile (a shorter switch interval hands the GIL over more often: this says at what cost)."""
+def scheduler_steps(text: str) -> tuple:
+    """``--scheduler-steps WORK_MS,WAIT_MS`` -> (work s, wait s), for ``type=`` of an argparse option."""
+    try:
+        work, wait = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: two milliseconds WORK,WAIT, e.g. 2,8") from None
+    if work <= 0 or wait < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: WORK > 0 and WAIT >= 0 milliseconds, e.g. 2,8")
+    return work / 1e3, wait / 1e3
 
-    def __init__(self):
+
+def quantile(xs: list, q: float) -> float:
+    """The q-quantile (0..1) of xs by the nearest rank below; 0.0 for none."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class BusyScheduler:
+    """One Python thread that runs bytecode inside the ``with`` block, as a GPU server's scheduler thread
+    does. Without ``step``: without pause, as its event loop polls while a request waits for its prefetch;
+    ``turns_per_s`` after the block is its loop turns per second, what the scheduler would have got done
+    meanwhile (a shorter switch interval hands the GIL over more often: this says at what cost).
+
+    With ``step = (work_s, wait_s)``: a serving scheduler's steps, each ``work_s`` of bytecode (batch
+    preparation) then ``wait_s`` with the GIL released (``time.sleep``, as the forward's synchronisation
+    releases it). After the wait the thread needs the GIL back, and any other thread running bytecode
+    keeps it up to the switch interval: ``steps_ms`` are the steps' wall times, what the operation beside
+    it adds to every step of every request being served (``turns`` counts steps)."""
+
+    def __init__(self, step: Optional[tuple] = None):
         self._stop, self._thread = threading.Event(), None
+        self.step = step
         self.turns, self.seconds = 0, 0.0
+        self.steps_ms: list = []
         self.cpu_s = 0.0  # its own CPU seconds: a benchmark's CPU per GB leaves them out
 
     def __enter__(self):
         def spin():
             n, t0, c0 = 0, time.perf_counter(), time.thread_time()
-            while not self._stop.is_set():
-                sum(range(64))
-                n += 1
+            if self.step is None:
+                while not self._stop.is_set():
+                    sum(range(64))
+                    n += 1
+            else:
+                work, wait = self.step
+                while not self._stop.is_set():
+                    s = time.perf_counter()
+                    while time.perf_counter() - s < work:
+                        sum(range(64))
+                    time.sleep(wait)
+                    self.steps_ms.append((time.perf_counter() - s) * 1e3)
+                    n += 1
             self.turns, self.seconds = n, time.perf_counter() - t0
             self.cpu_s = time.thread_time() - c0
         self._thread = threading.Thread(target=spin, name="busy-scheduler", daemon=True)
@@ -55,3 +93,9 @@ class BusyScheduler:
     @property
     def turns_per_s(self) -> float:
         return self.turns / self.seconds if self.seconds > 0 else 0.0
+
+    def step_quantiles(self) -> Optional[tuple]:
+        """(p50, p99) of the steps' wall ms; None without steps."""
+        if not self.steps_ms:
+            return None
+        return quantile(self.steps_ms, 0.5), quantile(self.steps_ms, 0.99)

@@ -47,7 +47,7 @@ def test_bench_cp_l3_smoke(disk_tmp):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmark.hicache.bench_cp_l3", "--quick", "--dir",
          str(disk_tmp), "--json", str(out), "--phases", "--backup-ack", "written", "--zero-copy", "on",
-         "--configs", "raw O_DIRECT, 2 writers;ours, CP=2 sharded"],
+         "--configs", "raw O_DIRECT, 2 writers;ours, CP=2 sharded", "--scheduler-steps", "1,2"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore"), cwd=REPO)
     # The script exits non-zero when any rank reloads wrong bytes or fewer tokens than it wrote.
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,6 +77,18 @@ def test_bench_cp_l3_smoke(disk_tmp):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("row done: ours, CP=2 sharded"))
     assert re.search(r"node read [0-9.]+ GB/s \([0-9.]+x / [0-9.]+x raw\)", line), line
     assert re.search(r"inside the store's reads [0-9.]+ GB/s per rank, prefetch outside them -?[0-9.]+ ms", line), line
+    # --scheduler-steps: upstream's file row and ours give their scheduler steps' wall ms (each step is 1 ms of
+    # bytecode and a 2 ms sleep, so never under 3 ms) alone, through the backup and through the prefetch,
+    # and the step time beyond alone per GB; the raw row has no scheduler
+    assert rows[1]["steps_ms"] is None and rows[1]["scheduler_steps_ms"] is None
+    for row in (rows[0], rows[2]):
+        assert row["scheduler_steps_ms"] == [1.0, 2.0], row
+        for phase in ("idle", "write", "read"):
+            p50, p99 = row["steps_ms"][phase]
+            assert 2.999 <= p50 <= p99, (phase, row["steps_ms"])
+        assert all(row[f"steps_excess_ms_per_gb_{op}"][0] >= 0 for op in ("write", "read")), row
+    assert re.search(r"scheduler step p50/p99 ms: alone [0-9.]+/[0-9.]+, backup [0-9.]+/[0-9.]+, prefetch "
+                     r"[0-9.]+/[0-9.]+; step ms beyond alone per GB: backup [0-9.]+, prefetch [0-9.]+", line), line
 
 
 @pytest.mark.slow  # the options it adds run in other CI tests: the operation ack, native reads
