@@ -4,7 +4,11 @@ Every tier (``peer_tiers.py``: no HiCache, HiCache L2 only, upstream's ``file``,
 Store, LMCache, ours with each read engine) runs the same workload (``peer_workloads.py``) on the same
 model (dummy weights, ``bench_server_ttft.MODELS``), device pool, host DRAM, disk budget and prefetch
 policy, through the same harness as ``bench_server_ttft.py`` (``benchmark.support.server_process``: streaming
-``/generate`` with ``input_ids``, ``meta_info.cached_tokens_details``). Per tier, two phases:
+``/generate`` with ``input_ids``, ``meta_info.cached_tokens_details``). Before the first tier a server
+with HiCache's host pool and no storage serves the workload's shortest, median and longest prompt
+lengths twice (``warm_up``;
+``--no-warm-up`` skips it), so kernels compiled at their first use on this machine are not charged to
+whichever tier runs first. Per tier, two phases:
 
 1. ``replay``: the tier's storage emptied, a fresh server (warmed with one unrelated prompt), the
    workload once: ``--concurrency`` clients each replaying whole conversations, a turn after the last
@@ -251,6 +255,18 @@ def conversation_turns(prompts: list) -> list:
     return list(groups.values())
 
 
+# Upstream's per-request time stats in the answer's meta_info (servers with --enable-metrics, as every
+# tier runs): seconds in the waiting queue; of them, skipped by the scheduler because the request's storage
+# prefetch was not done (its first blocked poll to its ready poll) or its staged span not ready.
+TIME_SPLIT = {"queue_s": "queue_time", "prefetch_wait_s": "storage_prefetch_wait",
+              "staging_wait_s": "storage_staging_wait"}
+
+
+def time_split(meta_info: dict) -> dict:
+    """The row's share of ``TIME_SPLIT`` that the answer carried (a field it lacks is left out)."""
+    return {k: float(meta_info[m]) for k, m in TIME_SPLIT.items() if isinstance(meta_info.get(m), (int, float))}
+
+
 def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: float, max_inflight: int) -> tuple:
     """Send every prompt once (streaming, greedy): (rows in prompt order, wall seconds). ``closed``:
     ``concurrency`` clients take the prompts in order; ``sessions``: ``concurrency`` clients each replay
@@ -267,7 +283,8 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
         try:
             r = srv.generate_stream(tokens.prompt(prompts[i]), prompts[i].output_tokens, timeout_s)
             row.update(ttft_s=r.ttft_s, latency_s=r.latency_s, device=r.device_tokens, host=r.host_tokens,
-                       storage=r.storage_tokens, cached=r.meta_info.get("cached_tokens"), output_ids=r.output_ids)
+                       storage=r.storage_tokens, cached=r.meta_info.get("cached_tokens"), output_ids=r.output_ids,
+                       **time_split(r.meta_info))
         except (OSError, RuntimeError, ValueError) as e:  # HTTP, stream and JSON failures: the row says which
             row.update(error=f"{type(e).__name__}: {e}"[:500], latency_s=time.monotonic() - t0 - sent)
         rows[i] = row
@@ -339,6 +356,30 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,
             "storage_counters": counters}
+
+
+def warm_up(prompts: list, tokens, args, model: str, model_flags: list, common: dict, base_env: dict) -> dict:
+    """One server with HiCache's host pool and no storage (the ``hicache-l2`` tier's flags) serves
+    ``peer_workloads.warm_up_prompts`` before the first tier, so the kernels that compile at their first use
+    on this machine (prefill, prefix extend, the host pool's transfers) do so off every tier's clock: a
+    run's first tier otherwise paid them in its first requests (its first eight answers 2-3 s later than
+    the tiers' after it). It stores nothing, so no tier's storage sees its prompts."""
+    warm = wl.warm_up_prompts(prompts, args.block_tokens)
+    tier = peer_tiers.tier_hicache_l2(settings(args))
+    env = server_env(tier, args, base_env)
+    srv = harness.ServerProcess(model, model_flags + tier.args, env=env,
+                                log_path=os.path.join(args.out_dir, "warm-up.log"), **common)
+    t0 = time.monotonic()
+    srv.start()
+    try:
+        rows, wall = drive(srv, warm, tokens, "closed", min(args.concurrency, len(warm) // 2), args.request_timeout,
+                           args.max_inflight)
+    finally:
+        srv.stop()
+    errors = [r["error"] for r in rows if r.get("error")]
+    log(f"[warm-up] {len(warm)} prompts of {sorted({p.tokens for p in warm})} tokens in {wall:.1f} s "
+        f"({time.monotonic() - t0:.1f} s with the server's start and stop)" + (f"; errors: {errors}" if errors else ""))
+    return {"prompt_tokens": [p.tokens for p in warm], "wall_s": wall, "startup_s": srv.startup_s, "errors": errors}
 
 
 def server_env(tier: peer_tiers.Tier, args, base: dict) -> dict:
@@ -492,6 +533,12 @@ def cmd_run(args) -> int:
     log(f"{desc}; ideal token hit ratio {result['ideal']['replay']['token_ratio']:.3f} "
         f"(restart {result['ideal']['restart']['token_ratio']:.3f})")
     out_json = os.path.join(args.out_dir, "peers.json")
+    if args.warm_up and any(not t.error for t in tiers):
+        try:
+            result["meta"]["warm_up"] = warm_up(prompts, tokens, args, model, flags, common, base_env)
+        except harness.ServerStartError as e:  # the tiers' own starts will say what is wrong
+            result["meta"]["warm_up"] = {"error": "did not start: " + str(e).splitlines()[0]}
+            log(f"[warm-up] {result['meta']['warm_up']['error']}")
     for tier in tiers:
         result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env))
         write_private_json(out_json, result)
@@ -603,6 +650,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--drop-caches", action="store_true",
                    help="sync and drop the page cache before each restart (root): storage read from the disk, as "
                         "after a host restart or with a working set larger than RAM")
+    r.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="skip the warm-up server (HiCache L2, no storage) that serves the workload's prompt "
+                        "lengths before the first tier "
+                        "(kernels compiled at first use then count in the first tier's first requests)")
     r.add_argument("--restart-services", action="store_true",
                    help="restart the side services too (Mooncake master, LMCache server) at the restart")
     r.add_argument("--kv-sensitive", action="store_true",

@@ -193,13 +193,43 @@ def summarize(result: dict) -> list:
                    "disk_bytes": (ph.get("du") or {}).get("allocated"),
                    "cpu_server_s": ph.get("cpu_server_s"), "cpu_services_s": ph.get("cpu_services_s"),
                    "ids_differ": diff, "ids_compared": compared, "reference": label(ref),
-                   "startup_s": ph.get("startup_s"), "first_storage_hit_s": first_storage_hit_s(rows)}
+                   "startup_s": ph.get("startup_s"), "first_storage_hit_s": first_storage_hit_s(rows),
+                   **time_split_medians(ok)}
             if result.get("meta", {}).get("kv_sensitive"):
                 want = [(prompts[r["i"]].get("mode"), (r.get("output_ids") or [None])[0]) for r in ok]
                 want = [(m, o) for m, o in want if m is not None]
                 row["mode_ok"], row["mode_checked"] = sum(m == o for m, o in want), len(want)
             out.append(row)
     return out
+
+
+TIME_SPLIT = ("queue_s", "prefetch_wait_s", "staging_wait_s")  # bench_peers.time_split's fields
+
+
+def time_split_medians(ok: list) -> dict:
+    """Per ``TIME_SPLIT`` field, its median and mean over the answered rows that carry it (None when none
+    does: runs saved before the rows kept upstream's time stats)."""
+    out = {}
+    for k in TIME_SPLIT:
+        xs = [r[k] for r in ok if r.get(k) is not None]
+        out[f"{k}_p50"] = percentile(xs, 50)
+        out[f"{k}_mean"] = sum(xs) / len(xs) if xs else None
+    return out
+
+
+def time_split_table(rows: list) -> str:
+    """Where the time to first token went, per tier and phase ('' when no row has upstream's time stats)."""
+    have = [r for r in rows if r.get("phase") and r.get("queue_s_p50") is not None]
+    if not have:
+        return ""
+    head = ["tier", "phase", "TTFT p50 s", "queue p50 s", "queue mean s", "waiting for the storage prefetch, mean s",
+            "waiting for staging, mean s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in have:
+        lines.append("| " + " | ".join([r["tier"], r["phase"], _f(r["ttft_p50"]), _f(r["queue_s_p50"]),
+                                         _f(r["queue_s_mean"]), _f(r["prefetch_wait_s_mean"]),
+                                         _f(r["staging_wait_s_mean"])]) + " |")
+    return "\n".join(lines)
 
 
 def _f(v, fmt="{:.3f}"):
@@ -272,6 +302,11 @@ def markdown(result: dict, rows: list) -> str:
                   "prefetch); in parentheses, the part lost by requests that each lost fewer than "
                   f"{threshold} tokens (the run's prefetch_threshold: a storage hit that short is "
                   "not fetched). Ideal - hit ratio is at most (in flight + lost) / prompt tokens.", ""]
+    split = time_split_table(rows)
+    if split:
+        parts += ["Where the time to first token went (upstream's per-request time stats: time in the waiting "
+                  "queue, and of it the time the scheduler skipped the request because its storage prefetch, "
+                  "or its staged span, was not ready):", "", split, ""]
     counters = counters_table(result)
     if counters:
         parts += ["Storage counters from each server's `/metrics` (deltas over the phase; tokens unless named "

@@ -403,6 +403,19 @@ def host_pool_notes(host_bytes: int, device_tokens: int, host_bytes_per_token: i
     return notes
 
 
+def warm_up_prompts(prompts: list, block_tokens: int) -> list:
+    """The prompts a run sends once, to a server of its own, before its first tier: the workload's
+    shortest, median and longest prompt lengths, each of blocks no workload prompt names (``warm/...``),
+    all sent twice, the second time as a prefix hit. A kernel compiled at its first use (triton's JIT,
+    cached on disk for every later server of the machine) is then compiled before any tier is timed,
+    instead of inside the first tier's first requests."""
+    lengths = sorted({p.tokens for p in prompts})
+    picked = sorted({lengths[0], lengths[len(lengths) // 2], lengths[-1]})
+    warm = [Prompt(tuple(f"warm/{k}/{j}" for j in range(-(-n // block_tokens))), n, 1)
+            for k, n in enumerate(picked)]
+    return warm + warm
+
+
 def storm(docs: int, suffixes: int, requests: int, alpha: float, seed: int, doc_tokens: int,
           suffix_tokens: int, block_tokens: int, output_tokens: int = 1) -> list:
     """``requests`` prompts: document d drawn with weight 1 / (d + 1) ** alpha, then one of its

@@ -378,6 +378,26 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
 
 
+def test_report_says_where_the_time_to_first_token_went(tmp_path):
+    """Per tier and phase, medians and means of upstream's per-request queue time and the part of it spent
+    waiting for the storage prefetch or its staging; no table for runs whose rows lack them."""
+    res = synthetic_result()
+    assert report.time_split_table(report.summarize(res)) == ""
+    for t in res["tiers"][:2]:
+        for phase, ph in t["phases"].items():
+            for k, r in enumerate(ph["requests"]):
+                if not r.get("error"):
+                    r.update(queue_s=0.1 * (k + 1), prefetch_wait_s=0.05 if t["name"] == "cp-l3-python" else 0.0)
+    rows = report.summarize(res)
+    ours = next(r for r in rows if r["tier"] == "cp-l3-python" and r["phase"] == "restart")  # request 3 failed
+    assert ours["queue_s_p50"] == pytest.approx(0.2) and ours["queue_s_mean"] == pytest.approx(0.2)
+    assert ours["prefetch_wait_s_mean"] == pytest.approx(0.05) and ours["staging_wait_s_mean"] is None
+    table = report.time_split_table(rows).splitlines()
+    assert table[0].startswith("| tier | phase | TTFT p50 s | queue p50 s | queue mean s | waiting for the storage")
+    assert "| cp-l3-python | restart | 0.200 | 0.200 | 0.200 | 0.050 | - |" in table
+    assert "Where the time to first token went" in report.markdown(res, rows)
+
+
 def test_report_merges_runs_that_each_measured_some_tiers(tmp_path):
     """Tiers run in consecutive calls (``--tiers``) make one table; runs of another workload or settings
     are refused naming the field; a tier given twice keeps its last run."""
@@ -537,7 +557,10 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
                 return
             chunk = {"output_ids": [len(ids), body["sampling_params"]["max_new_tokens"]],
                      "meta_info": {"cached_tokens": len(ids) // 2,
-                                   "cached_tokens_details": {"device": 1, "host": 2, "storage": len(ids) // 2 - 3}}}
+                                   "cached_tokens_details": {"device": 1, "host": 2, "storage": len(ids) // 2 - 3},
+                                   # upstream's time stats, as a server with --enable-metrics answers them
+                                   "queue_time": len(ids) / 100, "storage_prefetch_wait": 0.01,
+                                   **({"storage_staging_wait": 0.5} if len(ids) == 21 else {})}}
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -556,6 +579,8 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
         assert [r["i"] for r in rows] == list(range(6)) and state["peak"] == 2
         assert [r["output_ids"] for r in rows] == [[20 + i, 3] for i in range(6)]
         assert [(r["device"], r["host"], r["storage"]) for r in rows] == [(1, 2, (20 + i) // 2 - 3) for i in range(6)]
+        assert [(r["queue_s"], r["prefetch_wait_s"]) for r in rows] == [((20 + i) / 100, 0.01) for i in range(6)]
+        assert [r.get("staging_wait_s") for r in rows] == [None, 0.5, None, None, None, None]  # only if answered
         assert all(r["ttft_s"] <= r["latency_s"] < wall for r in rows)
         state["peak"] = 0
         rows, wall = bench.drive(srv, prompts + [wl.Prompt((9,), 13, 1, at_s=0.8)], tokens, "open", 0, 30, 8)
@@ -711,6 +736,83 @@ def test_a_host_pool_that_cannot_serve_or_prefetch_says_so_and_names_the_size_th
     assert "Pool limits" not in report.markdown(res, report.summarize(res))
     res["meta"].update(workload="synthetic", host_gb=9)
     assert report.pool_limits(res) == [] and "Pool limits" not in report.markdown(res, report.summarize(res))
+
+
+def test_warm_up_prompts_take_the_workloads_lengths_in_blocks_of_their_own():
+    """Shortest, median and longest length, each twice (the second a prefix hit), of blocks no workload
+    prompt names."""
+    prompts = [wl.Prompt((f"d{i}/0",), n, 4) for i, n in enumerate([700, 300, 5000, 1200, 300])]
+    warm = wl.warm_up_prompts(prompts, 512)
+    assert [p.tokens for p in warm] == [300, 1200, 5000] * 2 and warm[:3] == warm[3:]
+    assert [len(p.blocks) for p in warm[:3]] == [1, 3, 10] and all(p.output_tokens == 1 for p in warm)
+    named = {b for p in prompts for b in p.blocks}
+    assert not named & {b for p in warm for b in p.blocks}
+    assert len({p.blocks for p in warm}) == 3  # no two warm-up prompts share a prefix block
+    assert [p.tokens for p in wl.warm_up_prompts(prompts[:1], 512)] == [700, 700]
+    args = bench.parser().parse_args(["run", "--work-dir", "unused"])
+    assert args.warm_up is True and bench.parser().parse_args(["run", "--work-dir", "u", "--no-warm-up"]).warm_up is False
+
+
+FAKE_SERVER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+seen = open(sys.argv[2], "a")
+
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        seen.write(f"{len(body['input_ids'])}\n")
+        seen.flush()
+        chunk = {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}}
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *a):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_the_warm_up_server_serves_the_warm_up_prompts_then_stops(tmp_path, monkeypatch):
+    """warm_up() through the harness's real server lifecycle (a process of its own, /health polled, its
+    group stopped), with a stand-in for launch_server that answers /generate: every warm-up prompt is
+    sent, at the lengths warm_up_prompts picks, to a server with the host pool and no storage, and the
+    process is gone afterwards."""
+    script, seen = tmp_path / "fake_server.py", tmp_path / "seen.txt"
+    script.write_text(FAKE_SERVER)
+    procs = []
+
+    class Stand(bench.harness.ServerProcess):
+        def command(self):
+            return [sys.executable, str(script), str(self.port), str(seen)]
+
+        def spawn(self):
+            super().spawn()
+            procs.append((self.proc, list(self.extra_args)))
+            return self
+
+    monkeypatch.setattr(bench.harness, "ServerProcess", Stand)
+    args = bench.parser().parse_args(["run", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path),
+                                      "--block-tokens", "64", "--concurrency", "2"])
+    prompts = [wl.Prompt((f"d{i}",), n, 1) for i, n in enumerate([200, 64, 900])]
+    tokens = wl.BlockTokens(64, 1000, seed=0)
+    rec = bench.warm_up(prompts, tokens, args, "unused-model", [], {"startup_timeout_s": 60}, {})
+    assert rec["errors"] == [] and rec["prompt_tokens"] == [64, 200, 900] * 2 and rec["startup_s"] > 0
+    assert sorted(int(x) for x in seen.read_text().split()) == [64, 64, 200, 200, 900, 900]
+    (proc, flags), = procs
+    assert proc.poll() is not None  # stopped
+    # HiCache's host pool (its transfer kernels warm too), no storage backend: nothing of it outlives it
+    assert "--enable-hierarchical-cache" in flags and not any("storage-backend" in f or "cp-l3" in f for f in flags)
 
 
 def test_nixl_cleaner_watermark_is_upstreams_default():
