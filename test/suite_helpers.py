@@ -158,3 +158,14 @@ def gil_releases_seen(fn, *args):
         sys.setswitchinterval(old)
         spinner.join(timeout=10)
     return result, ran
+
+
+def answer_sse(handler, chunk: dict) -> None:
+    """Answer an HTTP request (a ``BaseHTTPRequestHandler``) as a streaming ``/generate`` does: one
+    server-sent chunk, then ``[DONE]``. Stand-ins for sglang's server in the benchmark tests use it."""
+    import json
+
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.end_headers()
+    handler.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())

@@ -18,6 +18,7 @@ from benchmark.hicache import bench_peers as bench
 from benchmark.hicache import peer_report as report
 from benchmark.hicache import peer_tiers as tiers
 from benchmark.hicache import peer_workloads as wl
+from suite_helpers import answer_sse
 
 
 def trace_lines() -> list:
@@ -561,10 +562,7 @@ def test_drive_closed_and_open_loop_against_a_streaming_http_endpoint(tmp_path):
                                    # upstream's time stats, as a server with --enable-metrics answers them
                                    "queue_time": len(ids) / 100, "storage_prefetch_wait": 0.01,
                                    **({"storage_staging_wait": 0.5} if len(ids) == 21 else {})}}
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+            answer_sse(self, chunk)
 
         def log_message(self, *a):
             pass
@@ -757,6 +755,9 @@ FAKE_SERVER = r"""
 import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+sys.path.insert(0, sys.argv[3])
+from suite_helpers import answer_sse
+
 seen = open(sys.argv[2], "a")
 
 
@@ -769,11 +770,7 @@ class H(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         seen.write(f"{len(body['input_ids'])}\n")
         seen.flush()
-        chunk = {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}}
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        self.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+        answer_sse(self, {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}})
 
     def log_message(self, *a):
         pass
@@ -794,7 +791,7 @@ def test_the_warm_up_server_serves_the_warm_up_prompts_then_stops(tmp_path, monk
 
     class Stand(bench.harness.ServerProcess):
         def command(self):
-            return [sys.executable, str(script), str(self.port), str(seen)]
+            return [sys.executable, str(script), str(self.port), str(seen), os.path.dirname(os.path.dirname(__file__))]
 
         def spawn(self):
             super().spawn()
