@@ -103,9 +103,9 @@ class PhaseProbes:
         timed(r.backend, "_set", "backend_set")
         timed(store, "start_write_pages", "submit")          # durable-page check + staging copy + hand-over
         for pool in store.state.pools.values():
-            timed(pool.slab, "write_slots", "pwrite")  # one run (no native library, or a run's retry)
+            timed(pool.slab, "write_slots", "pwrite")  # a failed run's retry, page by page
             timed(pool.slab, "write_slot", "pwrite")
-            timed(pool.slab, "write_runs", "pwrite")  # a group of runs in one native call
+            timed(pool.slab, "write_runs", "pwrite")  # an I/O task: a group of runs (one run without the library)
             timed(pool.slab, "sync", "fdatasync")
             timed(pool, "seal_image", "crc_seal")
             timed(pool, "seal_zero_copy", "crc_seal")

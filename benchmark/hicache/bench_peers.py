@@ -125,8 +125,8 @@ def default_device_tokens(prompts: list) -> int:
 def pool_notes(args, model_dir: str, prompts: list) -> list:
     """``host_pool_notes`` when the run has a tier with a HiCache host pool. The device pool is
     --device-tokens or ``model_setup``'s default."""
-    names = [t.strip() for t in args.tiers.split(",")] if args.tiers else None
-    if not args.hicache_size or (names is not None and not set(names) - peer_report.NO_HICACHE_HOST_POOL):
+    names = tier_names(args)
+    if not args.hicache_size or (names is not None and not peer_report.has_hicache_host_pool(names)):
         return []
     device = args.device_tokens or default_device_tokens(prompts)
     return wl.host_pool_notes(int(args.hicache_size * GB), device, ttft.kv_bytes_per_token(model_dir, indexer=False),
@@ -466,10 +466,15 @@ def settings(args) -> peer_tiers.TierSettings:
                                    l3_toml=ttft.write_l3_toml)
 
 
+def tier_names(args):
+    """The tiers --tiers names, in its order; None for every tier."""
+    return [t.strip() for t in args.tiers.split(",") if t.strip()] if args.tiers else None
+
+
 def select_tiers(args, s) -> list:
     tiers = peer_tiers.all_tiers(s)
-    if args.tiers:
-        want = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    want = tier_names(args)
+    if want is not None:
         names = [t.name for t in tiers]
         bad = [w for w in want if w not in names]
         if bad:

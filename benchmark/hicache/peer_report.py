@@ -260,6 +260,11 @@ def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
 
 
 NO_HICACHE_HOST_POOL = {"no-hicache", "lmcache"}  # tiers without upstream's HiCache host pool
+
+
+def has_hicache_host_pool(tier_names) -> bool:
+    """Whether any of these tiers runs upstream's HiCache host pool (whose limits pool_limits names)."""
+    return bool(set(tier_names) - NO_HICACHE_HOST_POOL)
 MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
 
 
@@ -270,7 +275,7 @@ def pool_limits(result: dict) -> list:
     meta = result.get("meta", {})
     if not meta.get("host_gb") or not meta.get("device_tokens") or not result.get("prompts"):
         return []
-    if not {t["name"] for t in result["tiers"]} - NO_HICACHE_HOST_POOL:
+    if not has_hicache_host_pool(t["name"] for t in result["tiers"]):
         return []
     bpt = meta.get("host_bytes_per_token")
     if bpt is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import errno
 import functools
-from typing import Optional
+import os
 
 from . import native
 from .io_threads import IoThreads
@@ -98,10 +98,7 @@ class WriteIo:
                                            else pool.seal_image(t.buf, t.slot, t.digest, t.seq, t.pcrc)
                                            for t in live]))
             whole = [(run[0].slot, images) for run, live, images in sealed if len(live) == len(run)]
-            if self._pwritev_runs is not None:
-                outcomes = iter(pool.slab.write_runs(self._pwritev_runs, whole))
-            else:
-                outcomes = iter([_write_run(pool, first, images) for first, images in whole])
+            outcomes = iter(pool.slab.write_runs(self._pwritev_runs or _os_pwritev_runs, whole))
             for run, live, images in sealed:
                 err = next(outcomes) if len(live) == len(run) else OSError(0, "run has holes")
                 if err is None:
@@ -144,9 +141,13 @@ class WriteIo:
                       pool.name, run[0].slot, run[-1].slot, err)
 
 
-def _write_run(pool: PayloadSlab, first: int, images: list[list[memoryview]]) -> Optional[OSError]:
-    try:
-        pool.slab.write_slots(first, images)
-    except OSError as err:
-        return err
-    return None
+def _os_pwritev_runs(fd: int, offsets: list[int], runs: list[list[memoryview]]) -> list[int]:
+    """native.write_runs's contract without the library: per run the bytes written or -errno, one
+    os.pwritev (and one GIL release) per run."""
+    out = []
+    for off, iovecs in zip(offsets, runs):
+        try:
+            out.append(os.pwritev(fd, iovecs, off))
+        except OSError as err:
+            out.append(-err.errno)
+    return out
