@@ -328,6 +328,15 @@ def validate(server_args: Any, *, check_paths: bool = True) -> CpFlags:
                 f"backend and excludes --hicache-storage-backend {backend}. Drop "
                 f"--hicache-storage-backend, or drop --enable-cp-l3."
             )
+        if (getattr(server_args, "enable_kv_cache_sharding", False)
+                and getattr(server_args, "hicache_host_memory_mode", "cache") == "buffer_only"):
+            # A buffer-mode prefetch drops its device-resident head after the ranks agreed on where each
+            # page goes (trim_prefetch_full_head), which would shift every page onto another owner.
+            raise CpArgsError(
+                "--hicache-host-memory-mode buffer_only is not supported with --enable-cp-l3 under "
+                "--enable-kv-cache-sharding (a buffer-mode prefetch would shift each rank's pages onto other "
+                "owners); use --hicache-host-memory-mode cache, the default."
+            )
         user_prefetch_tuning(server_args)
         if check_paths:
             load_config(f.cp_l3_config)

@@ -304,3 +304,56 @@ def host_bytes_probe(rank, world, rendezvous, l3_config, sharded, n_pages):
         return out
     finally:
         r.close()
+
+
+def restore_fault_probe(rank, world, rendezvous, l3_config, n_pages, fault_rank, where):
+    """A restore whose data path raises on ``fault_rank`` (three payloads: target KV and two sidecars):
+    ``where = "finish"``: finishing the target KV's reads raises (as a store that turned fatal does), so the
+    sidecars' reads are still under way; ``"start"``: starting the second payload raises, after the first's
+    reads were put on the device. Reports the prefetch's agreed count and, on every rank, how many of the
+    store reads started for it were finished (waited for) before upstream got the count: a read left
+    running writes host pages the miss hands back to the pool."""
+    r = Rank(rank, world, rendezvous, l3_config, sharded=True, sidecars=True)
+    try:
+        b = r.backend
+        tokens = tokens_for(n_pages, seed=11)
+        hi = r.alloc_host(n_pages * PAGE, start_owner=0)
+        r.fill(hi, n_pages, salt=5)
+        r.backup(tokens, hi)
+        r.group.free(hi)
+        r.zero_host()
+        r.dist.barrier()
+        started, finished = [], []
+        start, finish = b.store.start_read_pages, b.store.finish_read_pages
+
+        def start_spy(*a, **k):
+            pending = start(*a, **k)
+            started.append(pending)
+            return pending
+
+        def finish_spy(pending):
+            finished.append(pending)
+            return finish(pending)
+        b.store.start_read_pages, b.store.finish_read_pages = start_spy, finish_spy
+        if rank == fault_rank and where == "finish":
+            finish_get = b._finish_get
+
+            def failing_finish(read):
+                got = finish_get(read)
+                if read.payload == "kv":
+                    raise RuntimeError("injected: the target KV's reads failed after they finished")
+                return got
+            b._finish_get = failing_finish
+        elif rank == fault_rank and where == "start":
+            start_get = b._start_get
+
+            def failing_start(payload, keys, host_indices):
+                if payload != "kv":
+                    raise RuntimeError(f"injected: starting {payload}'s reads failed")
+                return start_get(payload, keys, host_indices)
+            b._start_get = failing_start
+        hit, completed, _ = r.prefetch(tokens)
+        return {"rank": rank, "hit": hit, "completed": completed, "started": len(started),
+                "finished": sum(any(p is q for q in finished) for p in started)}
+    finally:
+        r.close()

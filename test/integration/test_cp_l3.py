@@ -209,3 +209,17 @@ def test_host_pages_move_as_slices_of_the_pool_buffer(l3cfg):
         assert r["gil_released"] == 0, r
         assert r["restored"] == [[True] * n_pages] * len(r["payloads"]), r
         assert r["equal"] == r["checked"] == per_payload, r
+
+
+@pytest.mark.parametrize("where", ["finish", "start"])
+def test_a_restore_that_raises_is_a_miss_and_leaves_no_read_running(l3cfg, where):
+    """One rank's restore raises on its data path (finishing the target KV's reads, or starting a sidecar's):
+    a miss on both ranks, and every store read that rank started was finished before upstream got the
+    count, so no read lands in host pages the miss hands back to the pool."""
+    from cp_scenarios import restore_fault_probe
+
+    res = run_ranks(2, restore_fault_probe, (l3cfg, 6, 1, where))
+    assert [r["completed"] for r in res] == [0, 0], res
+    assert all(r["hit"] == 6 * PAGE for r in res), res
+    faulty = res[1]
+    assert faulty["started"] >= 1 and faulty["finished"] == faulty["started"], faulty

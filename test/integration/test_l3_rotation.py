@@ -69,6 +69,19 @@ STAMP = textwrap.dedent(
         host2 = torch.arange(101 * PS, 103 * PS)
         res2 = tc.insert_host(node.id, RadixKey(list(range(3 * PS, 5 * PS))), host2, ["d", "e"])
         print("DROPPED", res2.host_insert_dropped, res2.inserted_host_node)
+        # A chain a request computed under base 0 while a root-anchored prefetch was in flight (pages 200,
+        # 201: owners 0, 1 from position 0). The prefetch agreed on base 1 (pages 301.., owners 1, 0, 1, 0)
+        # for a longer span of the same tokens: upstream's walk would fill the chain's host copy with owners
+        # of the other base and hang the rest under it, a mixed chain. It is dropped.
+        keys = list(range(500, 500 + 4 * PS))
+        chain = tc.insert_host(root, RadixKey(keys[: 2 * PS]), torch.arange(200 * PS, 202 * PS), ["w", "x"])
+        print("CHAIN", tc.node_by_id(chain.inserted_host_node).rotation_base)
+        res3 = tc.insert_host(root, RadixKey(keys), torch.arange(301 * PS, 305 * PS), ["w", "x", "y", "z"])
+        print("GRAFT", res3.host_insert_dropped, res3.inserted_host_node)
+        # The same span under the chain's own base is inserted below it.
+        res4 = tc.insert_host(root, RadixKey(keys), torch.arange(200 * PS, 204 * PS), ["w", "x", "y", "z"])
+        tail = tc.node_by_id(res4.inserted_host_node)
+        print("EXTENDED", res4.host_insert_dropped, tail.rotation_base, tail.parent.rotation_base)
     """
 )
 
@@ -79,3 +92,6 @@ def test_prefetched_nodes_get_the_agreed_rotation_base():
     assert "STAMPED 1 1" in p.stdout         # real UnifiedTreeCore.insert_host, stamped
     assert "FORCED 0" in p.stdout
     assert "DROPPED True None" in p.stdout
+    assert "CHAIN 0" in p.stdout
+    assert "GRAFT True None" in p.stdout     # a span of another base than the chain below a root anchor
+    assert "EXTENDED False 0 0" in p.stdout

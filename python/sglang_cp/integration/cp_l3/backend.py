@@ -389,8 +389,8 @@ class CpL3Storage(HiCacheStorage):
         results = [True] * read.n_keys
         if not read.mine:
             return results
+        ok = self.store.finish_read_pages(read.pending)  # first: whatever raises after, the read is over
         pool = self._pool_for(read.payload)
-        ok = self.store.finish_read_pages(read.pending)
         first_miss = next((j for j, good in enumerate(ok) if not good), len(ok))
         for j, ((i, row), good) in enumerate(zip(read.mine, ok)):
             results[i] = bool(good) and j < first_miss
@@ -407,19 +407,45 @@ class CpL3Storage(HiCacheStorage):
     def start_restore(self, keys: List[str], host_indices, payloads: List[str]) -> RestoreReads:
         """Start the reads of a whole prefetch, every payload of every page at once, so the device
         queue stays deep instead of draining at each of upstream's 128-page batches (``prefetch``'s
-        ``page_transfer_around``). The store bounds how many are in flight."""
-        return RestoreReads([self._start_get(p, keys, host_indices) for p in payloads])
+        ``page_transfer_around``). The store bounds how many are in flight. If starting one payload
+        raises, the reads already started are finished before the error goes up: they read into
+        upstream's host pages, which the miss that follows hands back to the pool."""
+        started = RestoreReads([])
+        try:
+            for p in payloads:
+                started.reads.append(self._start_get(p, keys, host_indices))
+        except BaseException:
+            self._settle(started)
+            raise
+        return started
 
     def finish_restore(self, reads: RestoreReads) -> int:
         """Wait for a started restore; the prefix (in pages) that every payload of it restored, as
         this rank sees it: other ranks' pages count as present (the completion MIN answers for them),
-        and a page counts only with every payload of it (a KV page without its indexer-K is a miss)."""
-        done = None
+        and a page counts only with every payload of it (a KV page without its indexer-K is a miss).
+        Every payload is finished even past a miss or an error (the first error is raised after the
+        last one): no read outlives the restore and writes host pages the pool has handed on."""
+        done, error = None, None
         for read in reads.reads:
-            got = self._finish_get(read)  # finish every payload, even past a miss: no read outlives us
+            try:
+                got = self._finish_get(read)
+            except BaseException as e:  # noqa: BLE001  (re-raised below, after the other payloads)
+                error = error or e
+                got = [False] * read.n_keys
             prefix = next((i for i, ok in enumerate(got) if not ok), len(got))
             done = prefix if done is None else min(done, prefix)
+        if error is not None:
+            raise error
         return done or 0
+
+    def _settle(self, reads: RestoreReads) -> None:
+        """Finish started reads whose results nobody will use (each within its own bound)."""
+        for read in reads.reads:
+            if read.mine:
+                try:
+                    self.store.finish_read_pages(read.pending)
+                except Exception:  # noqa: BLE001  the caller raises its own error; the store has counted
+                    pass  # this one (a read timeout) or logged it (a fatal store: every later call raises)
 
     # ------------------------------------------------------------------ existence
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:

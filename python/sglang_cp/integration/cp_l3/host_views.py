@@ -73,7 +73,9 @@ class HostPageBytes:
             return None
         out = self.of(payload, pool, page)
         if out is None:
-            return as_bytes_view(page)  # in no buffer of the pool: the page's own view, not kept
+            # In no buffer of the pool: the caller's per-page path. Not the page tensor's own bytes: a pool
+            # whose get_data_page builds a copy would take a restore's reads into that copy, not the pool.
+            return None
         buf = self._buffers[payload]
         kept = self._rows.get(payload)
         if kept is None or kept[0] is not buf:

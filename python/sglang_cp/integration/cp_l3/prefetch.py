@@ -41,9 +41,10 @@ I/O thread
 scheduler thread
  7. ``_UTC.insert_host`` (AROUND): the prefetched nodes get the chain's rotation base, read from where
     the pages actually are (owner of the first host page, position of the anchor's end), so a later
-    extension continues the rotation. If the anchor's base disagrees (cannot happen with step 1's
-    forced phase; a guard, not a path) the insert is dropped through upstream's own
-    ``host_insert_dropped`` path: a miss, never a mixed chain.
+    extension continues the rotation. If the span's base disagrees with the anchor's (cannot happen with
+    step 1's forced phase) or with any node upstream's walk would match below the anchor (a path: a
+    request that shares the prefix computed it under its own base while this prefetch was in flight), the
+    insert is dropped through upstream's own ``host_insert_dropped`` path: a miss, never a mixed chain.
 
 Why the tree core and the controller, not ``UnifiedRadixCache``: importing that module at plugin load
 pulls in the reasoning-parser registry and would change the order of upstream's ``--reasoning-parser``
@@ -310,6 +311,27 @@ def span_rotation_base(host_value: torch.Tensor, start_page: int, page_size: int
     return rotation_base(int(owners[0]), start_page, shard_size)
 
 
+def chain_bases_below(tree_core, anchor, key) -> list:
+    """The rotation bases (None where unset) of the anchor (unless it is the root) and of every node that
+    upstream's ``insert_host`` walk from it would match with ``key``: a read-only mirror of that walk, as
+    upstream's ``_rotation_conflict`` mirrors its insert's. The walk fills a matched node's missing host
+    copy with the span's pages and hangs the rest under the deepest match, so the span must continue the
+    rotation of every node it meets there, not only the anchor's: nodes a request computed while this
+    prefetch was in flight sit below the anchor by then, allocated under their own base."""
+    bases = [] if anchor is tree_core.root_node else [anchor.rotation_base]
+    node = anchor
+    while len(key) > 0:
+        child = node.children.get(key.child_key(tree_core.page_size))
+        if child is None:
+            break
+        matched = child.key.match(key, page_size=tree_core.page_size)
+        bases.append(child.rotation_base)
+        node, key = child, key[matched:]
+        if matched < len(child.key):
+            break  # the walk splits here; the fragment keeps this node's base
+    return bases
+
+
 def insert_host_around(original, self, node_id, key, host_value, hash_value):
     n = RESTORE.shard_size
     if n <= 1 or host_value is None or not host_value.numel():
@@ -319,11 +341,11 @@ def insert_host_around(original, self, node_id, key, host_value, hash_value):
     anchor = self.node_by_id(node_id)
     start_page = _tokens_to_end_of(self, anchor) // self.page_size
     base = span_rotation_base(host_value, start_page, self.page_size, n)
-    if base is None or (anchor is not self.root_node and anchor.rotation_base is not None
-                        and anchor.rotation_base != base):
-        _log.warning("rotation_conflict", "sglang-cp L3: a prefetched span does not continue its anchor's "
-                     "rotation (anchor base %s, span base %s); dropped, its tokens are recomputed",
-                     anchor.rotation_base, base)
+    met = chain_bases_below(self, anchor, key)
+    if base is None or any(b is not None and b != base for b in met):
+        _log.warning("rotation_conflict", "sglang-cp L3: a prefetched span does not continue the rotation of "
+                     "the chain it lands on (chain bases %s, span base %s); dropped, its tokens are recomputed",
+                     sorted({b for b in met if b is not None}), base)
         return InsertResult(prefix_len=0, total_len=len(key), host_insert_dropped=True)
     result = original(self, node_id, key, host_value, hash_value)
     if getattr(result, "inserted_host_node", None) is None:
