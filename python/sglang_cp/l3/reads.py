@@ -151,12 +151,9 @@ class ReadPath:
         return op
 
     def _acquire_permits(self, n: int, deadline: Optional[float]) -> bool:
-        for k in range(n):
-            if not self._slots.acquire(deadline=deadline):
-                for _ in range(k):
-                    self._slots.release()
-                return False
-        return True
+        """A run's permits all at once (runs are at most half the permits, ``_runs``): readers on several
+        threads holding parts of their runs while waiting for the rest would wait for each other for ever."""
+        return self._slots.acquire_many(n, deadline=deadline)
 
     def _runs(self, pool: PayloadSlab, todo: list[tuple[int, int]]) -> list:
         """Group pages of consecutive slots into coalesced reads (<= READ_IO_BYTES, and at least

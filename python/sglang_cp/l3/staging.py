@@ -46,6 +46,37 @@ class Tokens:
             self._free -= 1
             return True
 
+    def acquire_many(self, n: int, deadline: Optional[float] = None) -> bool:
+        """``n`` tokens (1..limit) at once, or none: a caller never holds some while it waits for the rest.
+        Callers that each take a run one token at a time can split the tokens between them and wait for
+        ever with nothing in flight to give any back (three readers of 32-page runs under 64 permits held
+        31, 31 and 2). False past `deadline` or once shut."""
+        if not 1 <= n <= self.limit:
+            raise L3InvariantError(f"{n} tokens asked at once of {self.limit}")
+        with self._cond:
+            if self._free < n and not self._shut:
+                self._waiting.append(n)
+                try:
+                    while self._free < n and not self._shut:
+                        if deadline is None:
+                            self._cond.wait()
+                        else:
+                            left = deadline - time.monotonic()
+                            if left <= 0:
+                                return False
+                            self._cond.wait(left)
+                finally:
+                    self._waiting.remove(n)
+            if self._shut or self._free < n:
+                return False
+            self._free -= n
+            return True
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return self._free
+
     def release(self) -> None:
         with self._cond:
             if self._free >= self.limit:

@@ -49,17 +49,23 @@ class L3Store(PageStore):
         self.rank = rank
         self.ranks_per_node = ranks_per_node
         st = open_state(config, rank, ranks_per_node, payloads, fault_injector, owner)
+        reads = None
         try:
-            self.reads = ReadPath(st)  # its landing areas too are allocated before cold start
+            reads = self.reads = ReadPath(st)  # its landing areas too are allocated before cold start
             st.cold_start = recover(st, cold_start)
+            st.record_cold_start(st.cold_start)
+            self._hits = HitQuery(st)
+            self._writes = WriteSubmitter(st)
+            self._writer = WriteThread(st)
         except BaseException:
+            # A store that failed to open leaves nothing behind: its I/O threads, rings and landing
+            # memory go with its files and rank locks, so the caller can fix the cause and open again.
+            if reads is not None:
+                reads.shut()
+                reads.shutdown()
             st.release_files()
             raise
-        st.record_cold_start(st.cold_start)
         self.state = st
-        self._hits = HitQuery(st)
-        self._writes = WriteSubmitter(st)
-        self._writer = WriteThread(st)
         self._writer.start()
 
     # ================================================================ writes

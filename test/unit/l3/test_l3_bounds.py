@@ -344,3 +344,52 @@ def test_process_exits_within_bound_with_a_request_stuck_in_the_device(l3_root, 
     assert "close_s=" in out, err[-3000:]
     assert wall < EXIT_BOUND_S, (f"the process took {wall:.1f} s to exit after close(timeout={CHILD_CLOSE_S:g}): "
                                  f"interpreter exit waited for the I/O thread stuck in the device")
+
+
+def test_a_reader_waiting_for_read_permits_holds_none_of_them(make_store):
+    """A run's read permits are taken all at once: a reader that finds too few free holds none while it
+    waits. Readers that took theirs one by one could split the permits between them (three readers of
+    32-page runs under 64 permits held 31, 31 and 2) and wait for each other for ever, nothing in flight."""
+    s = make_store(io={"max_inflight_pages": 64})
+    permits = s.reads._slots
+    assert permits.acquire_many(40)  # runs of other readers, in flight
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(s.reads._acquire_permits(32, time.monotonic() + 1.0)))
+    waiter.start()
+    time.sleep(0.3)
+    assert permits.free == 24, "a waiting reader holds permits nobody can use"
+    waiter.join(5)
+    assert got == [False] and permits.free == 24  # past its bound, with nothing taken
+    for _ in range(40):
+        permits.release()
+    assert s.reads._acquire_permits(32, time.monotonic() + 1.0) and permits.free == 32
+
+
+def test_readers_on_several_threads_all_finish(make_store):
+    """Three threads each reading 256 pages again and again (python engine, runs of up to 32 pages under
+    64 permits, a short switch interval so they interleave finely): every read is whole, none waits out
+    its bound."""
+    import sys
+
+    s = make_store(io={"max_inflight_pages": 64}, capacity_gb=0.05)
+    n = 256
+    keys = [[b"t%d-k%d" % (t, i) for i in range(n)] for t in range(3)]
+    for t in range(3):
+        assert all(s.write_pages("kv", keys[t], [page(t * 1000 + i) for i in range(n)], timeout=60))
+    results = []
+
+    def reader(t):
+        outs = [np.zeros(16384, np.uint8) for _ in range(n)]
+        for _ in range(5):
+            results.append(sum(s.read_pages("kv", keys[t], outs, timeout=30)))
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.00005)
+    try:
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(3)]
+        for x in threads:
+            x.start()
+        for x in threads:
+            x.join(120)
+    finally:
+        sys.setswitchinterval(old)
+    assert not any(x.is_alive() for x in threads) and results == [n] * 15, results

@@ -141,3 +141,17 @@ def test_lock_files_are_private_and_symlinks_are_refused(tmp_path):
     os.mkdir(lock_path(d, 5))
     with pytest.raises(L3OwnershipError):
         RankLock(d, 5, "x")
+    # A hard link to another file of this user: taking the lock would truncate that file and write the
+    # holder's pid into it. Refused, the file untouched.
+    os.chmod(target, 0o644)
+    os.link(target, lock_path(d, 6))
+    with pytest.raises(L3OwnershipError, match=r"has 2 hard links; remove it"):
+        RankLock(d, 6, "x")
+    assert target.read_text() == "keep"
+    # A lock file of ours left with a wider mode is narrowed to 0600.
+    wide = lock_path(d, 7)
+    with open(wide, "w"):
+        pass
+    os.chmod(wide, 0o644)
+    with RankLock(d, 7, "x"):
+        assert stat.S_IMODE(os.lstat(wide).st_mode) == 0o600

@@ -8,7 +8,8 @@ slab directory and the shared index directory) from before its first destructive
 holder recorded and the holder's pid.
 
 The lock file is created 0600 with ``O_NOFOLLOW`` (a planted symlink is refused, never followed) and
-must be a regular file owned by this user. It is never unlinked: the lock lives on the open file
+must be a regular file owned by this user with no other hard link (a link to another file would have
+that file truncated and overwritten with the holder's pid); a wider mode is narrowed to 0600. It is never unlinked: the lock lives on the open file
 description, so a crashed holder (even SIGKILL) releases it with its last descriptor and the next
 opener takes it over; unlinking would let two openers lock two different inodes. The recorded pid
 is for the message only: ownership is the kernel's flock, never a pid check.
@@ -73,6 +74,12 @@ def _open_lock_file(path: str, what: str) -> int:
         os.close(fd)
         kind = "not a regular file" if not stat.S_ISREG(st.st_mode) else f"owned by uid {st.st_uid}, not {os.geteuid()}"
         raise L3OwnershipError(f"{what}: lock file '{path}' is {kind}; remove it, or run the server as its owner")
+    if st.st_nlink != 1:  # another name for some other file: taking the lock would truncate that file
+        os.close(fd)
+        raise L3OwnershipError(f"{what}: lock file '{path}' has {st.st_nlink} hard links; remove it (nothing "
+                               "of the store lives there), or the other links, and start again")
+    if stat.S_IMODE(st.st_mode) & ~0o600:
+        os.fchmod(fd, 0o600)
     return fd
 
 
