@@ -335,6 +335,9 @@ def counter_deltas(before, after):
 
 
 COUNTER_SETTLE_S = 2.0  # our L3 counters reach /metrics from a 1 s publisher thread
+# Before a storage tier's server stops, every tier alike gets this long (off the clock) to put its last
+# pages on its disk: Mooncake's offload runs on its heartbeat (1 s here), a backup thread drains its queue.
+STORAGE_SETTLE_S = 5.0
 
 
 def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args) -> dict:
@@ -344,7 +347,7 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     counters0 = storage_counters(srv)
     rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
     cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)
-    time.sleep(COUNTER_SETTLE_S)
+    time.sleep(max(COUNTER_SETTLE_S, STORAGE_SETTLE_S if tier.storage else 0.0))
     counters = counter_deltas(counters0, storage_counters(srv))
     ok = [r for r in rows if not r.get("error")]
     served = {k: sum(r[k] for r in ok) for k in ("storage", "host", "device")}
@@ -428,6 +431,7 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
             # No storage: a restarted server starts empty, which the replay phase (a fresh server) measured.
             log(f"[{tier.name}] restart: not run (no storage; a restarted server is the replay's fresh one)")
         elif "restart" in args.phases:
+            rec["restart_services"] = bool(args.restart_services)
             if args.restart_services:
                 for x in services:
                     x.stop()

@@ -45,9 +45,16 @@ def _ok(rows: list) -> list:
     return [r for r in rows if not r.get("error")]
 
 
-def reference_tier(result: dict, phase: str):
+REFERENCE_PHASE = "replay"  # every run has it (bench_peers refuses --phases without it)
+
+
+def reference_tier(result: dict):
+    """The tier whose replay answers every row is compared with, in every phase: the prompts and greedy
+    decoding are the same in a restart, so its right answers are the replay's. (Comparing a restart with
+    the first tier that has one would make a storage tier's restart the unchecked reference: tiers without
+    storage have no restart.)"""
     for t in result["tiers"]:
-        if phase in (t.get("phases") or {}):
+        if REFERENCE_PHASE in (t.get("phases") or {}):
             return t
     return None
 
@@ -162,6 +169,21 @@ def shortfall(result: dict, phase: str, rows: list):
 
 COLD = " (cold page cache)"
 
+# Tiers whose DRAM tier lives in a side service, not in the SGLang server (bench_peers keeps side services
+# across a restart unless --restart-services).
+SERVICE_DRAM = {"lmcache": "its LMCache server's L1", "mooncake-standalone": "its mooncake_client's DRAM segment"}
+
+
+def kept_service_dram(result: dict, tier: dict) -> bool:
+    """Whether ``tier``'s restart ran beside DRAM that outlived its server (runs saved before the tier
+    record said so are read from the run's argv)."""
+    if tier["name"] not in SERVICE_DRAM or "restart" not in (tier.get("phases") or {}):
+        return False
+    restarted = tier.get("restart_services")
+    if restarted is None:
+        restarted = "--restart-services" in (result.get("meta", {}).get("argv") or ())
+    return not restarted
+
 
 def label(tier: dict) -> str:
     """A tier's name in the table: its restart on a dropped page cache is a different measurement."""
@@ -181,8 +203,9 @@ def summarize(result: dict) -> list:
             ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
             served = {k: sum(r.get(k) or 0 for r in ok) for k in ("device", "host", "storage")}
             tokens = sum(prompts[r["i"]]["tokens"] for r in ok)
-            ref = reference_tier(result, phase)
-            diff, compared = mismatches(ref["phases"][phase]["requests"], rows) if ref is not t else (0, len(ok))
+            ref = reference_tier(result)
+            is_ref = ref is t and phase == REFERENCE_PHASE
+            diff, compared = (0, len(ok)) if is_ref else mismatches(ref["phases"][REFERENCE_PHASE]["requests"], rows)
             row = {"tier": label(t), "phase": phase, "n": len(rows), "errors": len(rows) - len(ok),
                    "rps": len(ok) / ph["wall_s"] if ph.get("wall_s") else None,
                    "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
@@ -192,7 +215,7 @@ def summarize(result: dict) -> list:
                    **(shortfall(result, phase, rows) or {"in_flight": None, "lost": None, "lost_short": None}),
                    "disk_bytes": (ph.get("du") or {}).get("allocated"),
                    "cpu_server_s": ph.get("cpu_server_s"), "cpu_services_s": ph.get("cpu_services_s"),
-                   "ids_differ": diff, "ids_compared": compared, "reference": label(ref),
+                   "ids_differ": diff, "ids_compared": compared, "reference": label(ref), "is_reference": is_ref,
                    "startup_s": ph.get("startup_s"), "first_storage_hit_s": first_storage_hit_s(rows),
                    **time_split_medians(ok)}
             if result.get("meta", {}).get("kv_sensitive"):
@@ -237,7 +260,7 @@ def _f(v, fmt="{:.3f}"):
 
 
 def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
-    head = ["tier", "phase", "req/s", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "device tok", "host tok",
+    head = ["tier", "phase", "req/s", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "device tok", "host tok",
             "storage tok", "hit ratio (ideal)", "in flight tok", f"lost tok (< {threshold})", "disk GB", "CPU s server + services", "ids differ / compared",
             "startup s", "first storage hit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -248,13 +271,13 @@ def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
             continue
         cpu = "-" if r["cpu_server_s"] is None else (f"{r['cpu_server_s']:.1f} + {r['cpu_services_s'] or 0:.1f}")
         lines.append("| " + " | ".join([
-            r["tier"], r["phase"], _f(r["rps"], "{:.2f}"), _f(r["ttft_p50"]), _f(r["ttft_p90"]), _f(r["ttft_p99"]),
+            r["tier"], r["phase"], _f(r["rps"], "{:.2f}"), f"{r['errors']} / {r['n']}", _f(r["ttft_p50"]), _f(r["ttft_p90"]), _f(r["ttft_p99"]),
             f"{r['device']:,}", f"{r['host']:,}", f"{r['storage']:,}",
             f"{_f(r['hit_ratio'], '{:.3f}')} ({_f(r['ideal_ratio'], '{:.3f}')})",
             _f(r["in_flight"], "{:,}"),
             "-" if r["lost"] is None else f"{r['lost']:,} ({r['lost_short']:,})",
             _f(None if r["disk_bytes"] is None else r["disk_bytes"] / GB, "{:.2f}"), cpu,
-            f"{r['ids_differ']} / {r['ids_compared']}" + (" (ref)" if r["reference"] == r["tier"] else ""),
+            f"{r['ids_differ']} / {r['ids_compared']}" + (" (ref)" if r["is_reference"] else ""),
             _f(r["startup_s"], "{:.1f}"), _f(r["first_storage_hit_s"], "{:.2f}")]) + " |")
     return "\n".join(lines)
 
@@ -296,6 +319,17 @@ def markdown(result: dict, rows: list) -> str:
     if limits and limits[0] not in meta.get("workload", ""):  # runs saved before the run said it
         parts += ["Pool limits (upstream's, alike on every HiCache tier): " + "; ".join(limits), ""]
     parts += [table(rows, threshold), ""]
+    ref = reference_tier(result)
+    if ref is not None:
+        parts += [f"`ids differ / compared`: each row's output ids against `{label(ref)}`'s replay (the same "
+                  "prompts, greedy decoding: a restart's right answers are the replay's). `errors`: requests "
+                  "not answered / sent; req/s and the TTFT percentiles count answered requests only.", ""]
+    kept = [t for t in result["tiers"] if kept_service_dram(result, t)]
+    if kept:
+        parts += ["Restarts beside DRAM that outlived the server (`--restart-services` restarts it too): "
+                  + "; ".join(f"`{label(t)}`: {SERVICE_DRAM[t['name']]} ran on across the SGLang restart, so its "
+                              "restart could serve from that DRAM as well as from its disk" for t in kept)
+                  + ". A HiCache tier's host pool restarts empty with its server.", ""]
     if any(r["tier"].endswith(COLD) for r in rows):
         parts += [f"`{COLD.strip()}`: the page cache was synced and dropped before that tier's restart, so its storage "
                   "was read from the disk (as after a host restart, or with a working set larger than RAM); the "
@@ -420,9 +454,30 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
 
 
 # What must agree for tiers measured in separate runs to share one table: the same prompts and the same
-# settings every tier runs under (argv may differ only in --tiers, --out-dir and --work-dir).
+# settings every tier runs under.
 _SAME = ("model", "workload", "kv_sensitive", "block_tokens", "device_tokens", "host_gb", "disk_gb",
          "prefetch_policy", "prefetch_threshold", "loop", "concurrency", "phases")
+# bench_peers run options that may differ between merged runs: which tiers, where, bounds on waiting, and
+# what is labelled per tier anyway (a restart on a dropped page cache is its own row; kept side services
+# are noted per tier). Any other option (layout, write policy, attention backend, --server-arg, ...) is a
+# setting every tier must share.
+ARGV_MAY_DIFFER = {"tiers", "out_dir", "work_dir", "warm_up", "drop_caches", "keep_storage", "restart_services",
+                   "request_timeout", "startup_timeout", "service_timeout"}
+
+
+def run_settings(meta: dict):
+    """The options of the ``bench_peers run`` behind ``meta`` (its saved argv) that merged runs must share;
+    None when the run saved no argv or one this version cannot parse."""
+    argv = meta.get("argv")
+    if argv is None:
+        return None
+    from benchmark.hicache import bench_peers  # here: bench_peers imports this module
+
+    try:
+        ns = vars(bench_peers.parser().parse_args(argv))
+    except SystemExit:
+        return None
+    return {k: v for k, v in ns.items() if k not in ARGV_MAY_DIFFER}
 
 
 def merge(results: list) -> dict:
@@ -440,6 +495,12 @@ def merge(results: list) -> dict:
         for k in ("ideal", "prompts"):
             if r[k] != base[k]:
                 raise ValueError(f"result {i}: {k} differs from the first's; merge only runs of one workload")
+        mine, first = run_settings(r["meta"]), run_settings(base["meta"])
+        if mine is not None and first is not None and mine != first:
+            k = next(k for k in sorted(set(mine) | set(first)) if mine.get(k) != first.get(k))
+            raise ValueError(f"result {i}: --{k.replace('_', '-')} = {mine.get(k)!r} differs from the first's "
+                             f"{first.get(k)!r}; merge only runs whose settings differ in "
+                             + ", ".join(f"--{x.replace('_', '-')}" for x in sorted(ARGV_MAY_DIFFER)))
     tiers: dict = {}
     for r in results:
         for t in r["tiers"]:

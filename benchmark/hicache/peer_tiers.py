@@ -2,7 +2,8 @@
 ``launch_server`` flag list, the environment it needs, the side services it starts (a Mooncake master,
 an LMCache server), the directories its KV lands in and a "how configured" line for the results.
 
-Every tier gets the same model, GPU, device pool, disk budget (``disk_gb``), host DRAM for KV
+Every tier gets the same model, GPU, device pool, disk budget (``disk_gb``, 10^9 bytes each; where a
+peer counts its cap in GiB the harness converts, so no tier gets more bytes), host DRAM for KV
 (``host_gb``: HiCache's host pool, or for LMCache, which replaces HiCache, its own L1) and prefetch
 policy. Each peer runs with its own SGLang flags and the settings its documentation gives for one node:
 
@@ -16,13 +17,16 @@ policy. Each peer runs with its own SGLang flags and the settings its documentat
   cleaner keeps the filesystem between its default watermarks (80 / 70 % full);
 - ``mooncake``: Mooncake Store through a real ``mooncake_master --enable_offload=true`` (TCP, one node,
   P2P handshake), the embedded real client with SSD offload to a local directory, the bucket backend
-  capped at ``disk_gb`` with LRU eviction and one object per bucket (so every stored page reaches the disk;
-  ``_mooncake_offload_env`` says why); its DRAM segment lives in the SGLang process;
+  capped at ``disk_gb`` with LRU eviction, one object per bucket and a 1 s offload heartbeat (so every
+  stored page reaches the disk, and soon: ``_mooncake_offload_env`` says why), io_uring with O_DIRECT
+  reads; its DRAM segment lives in the SGLang process;
 - ``mooncake-standalone``: the same store with its real client as a process of its own
   (``mooncake_client``, the segment and the SSD offload) and SGLang as its dummy client
   (``standalone_storage``): the segment outlives an SGLang restart (Mooncake's deployment guide, mode B);
 - ``lmcache``: ``--enable-lmcache`` with a real ``lmcache server`` (multiprocess mode), L1 of
-  ``host_gb`` and its ``fs`` L2 adapter on a local directory capped at ``disk_gb``;
+  ``host_gb`` and its native filesystem L2 adapter (``fs_native``, O_DIRECT) on a local directory, capped
+  at ``disk_gb`` by an LRU ``eviction`` block (the plain ``fs`` adapter takes no cap: its
+  ``max_capacity_gb`` is not read);
 - ``cp-l3-<engine>``: ours, ``--enable-cp-l3`` on HiCache, one tier per read engine the L3 config
   accepts (``sglang_cp.l3.config.READ_ENGINES``).
 
@@ -39,7 +43,12 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-GIB = 1 << 30
+GB = 10**9  # the disk budget's unit for every tier (ours counts capacity_gb in 10^9 bytes too)
+GIB = 1 << 30  # LMCache's max_capacity_gb unit
+
+# Disk-eviction band for the peers whose trigger is configurable: start at 90 % of the cap and free down
+# to 85 %, as our L3's GC does by default (gc.high_watermark / gc.low_watermark).
+EVICT_HIGH, EVICT_LOW = 0.90, 0.85
 
 
 @dataclass
@@ -130,7 +139,7 @@ def tier_hicache_l2(s: TierSettings) -> Tier:
 
 def tier_file(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("file"), "kv")
-    cap = int(s.disk_gb * GIB)
+    cap = int(s.disk_gb * GB)
     args = _hicache(s) + ["--hicache-storage-backend", "file"] + _extra({"file_storage_path": d, "max_size": cap,
                                                                          **_threshold(s)})
     return Tier("file", args, f"upstream HiCacheFile in {d}, LRU evictor capped at {cap} B (extra config max_size), "
@@ -162,15 +171,28 @@ def _mooncake_master(s: TierSettings) -> Service:
 
 
 def _mooncake_offload_env(cap: int) -> dict:
-    """Mooncake's SSD offload of its real client: the bucket backend capped at ``cap`` bytes, LRU eviction,
-    and a bucket per object. With the backend's default grouping (a bucket is written once it holds 500
-    objects or 256 MiB) a client's last < 256 MiB of objects wait in memory without a disk copy, and a
-    restart of the client loses them: 48 SGLang pages of 2.36 MB stored through the standalone client had
-    no file on disk 25 s later, where one object per bucket had all 48 on disk (98 files) within one
-    offload heartbeat (mooncake-transfer-engine 0.3.13.post1, ``docs_internal/peers.md``)."""
+    """Mooncake's SSD offload of its real client: the bucket backend capped at ``cap`` bytes, LRU eviction
+    in our GC's band, a bucket per object, a 1 s offload heartbeat and io_uring.
+
+    - One object per bucket: with the backend's default grouping (a bucket is written once it holds 500
+      objects or 256 MiB) a client's last < 256 MiB of objects wait in memory without a disk copy, and a
+      restart of the client loses them: 48 SGLang pages of 2.36 MB stored through the standalone client had
+      no file on disk 25 s later, where one object per bucket had all 48 on disk (98 files) within one
+      offload heartbeat (mooncake-transfer-engine 0.3.13.post1, ``docs_internal/peers.md``).
+    - The heartbeat (default 10 s) paces the offload: with it, objects stored in a replay's last seconds
+      had no disk copy when the harness stopped the server; Mooncake's own tests and benchmarks run 1 s.
+    - ``MOONCAKE_OFFLOAD_USE_URING``: its io_uring file path, the one that reads with O_DIRECT (the POSIX
+      path reads through the page cache), as our tier and nixl read.
+    Every name is one the 0.3.13.post1 client reads (its ``store.so`` and ``mooncake_client`` carry them)."""
     return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
             "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(cap), "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap),
-            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1"}
+            "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1",
+            "MOONCAKE_OFFLOAD_DISK_EVICTION_HIGH_WATERMARK_RATIO": f"{EVICT_HIGH:g}",
+            "MOONCAKE_OFFLOAD_DISK_EVICTION_LOW_WATERMARK_RATIO": f"{EVICT_LOW:g}",
+            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1", "MOONCAKE_OFFLOAD_USE_URING": "1"}
+
+
+MOONCAKE_OFFLOAD_HOW = "bucket backend, {cap} B cap, LRU from 90 % to 85 %, one object per bucket, 1 s heartbeat, io_uring"
 
 
 def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
@@ -189,7 +211,7 @@ def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
 
 def tier_mooncake(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("mooncake"), "ssd")
-    cap = int(s.disk_gb * GIB)
+    cap = int(s.disk_gb * GB)
     master = _mooncake_master(s)
     cfg = {"master_server_address": f"127.0.0.1:{master.port}", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
            "device_name": "", "local_hostname": "127.0.0.1",
@@ -199,7 +221,7 @@ def tier_mooncake(s: TierSettings) -> Tier:
     return _mooncake_probe(Tier(
         "mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, TCP, "
         f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
-        f"{s.host_gb} GB) and SSD offload to {d} (bucket backend, {cap} B cap, LRU, one object per bucket), "
+        f"{s.host_gb} GB) and SSD offload to {d} ({MOONCAKE_OFFLOAD_HOW.format(cap=cap)}), "
         f"{_prefetch_how(s)}",
         env={**_mooncake_offload_env(cap), "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}, services=[master],
         storage_dirs=[d]), ("mooncake_master",))
@@ -210,7 +232,7 @@ def tier_mooncake_standalone(s: TierSettings) -> Tier:
     segment and the SSD offload) and SGLang as its Dummy Client (``standalone_storage``: the host pool is
     shared with the client): the deployment in which the segment outlives an SGLang restart."""
     d = os.path.join(s.dir("mooncake-standalone"), "ssd")
-    cap = int(s.disk_gb * GIB)
+    cap = int(s.disk_gb * GB)
     master, client_port = _mooncake_master(s), s.free_port()
     client = Service("mooncake_client", [
         "mooncake_client", f"--master_server_address=127.0.0.1:{master.port}", "--host=127.0.0.1",
@@ -223,7 +245,7 @@ def tier_mooncake_standalone(s: TierSettings) -> Tier:
         "mooncake-standalone", args,
         f"Mooncake Store, standalone: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, a "
         f"mooncake_client process on 127.0.0.1:{client_port} (TCP) holding the {s.mooncake_segment_gb:g} GB "
-        f"DRAM segment and SSD offload to {d} (bucket backend, {cap} B cap, LRU, one object per bucket), SGLang "
+        f"DRAM segment and SSD offload to {d} ({MOONCAKE_OFFLOAD_HOW.format(cap=cap)}), SGLang "
         f"as its dummy client (standalone_storage, host pool {s.host_gb} GB shared with the client), "
         f"{_prefetch_how(s)}; the client outlives SGLang's restart", env={"MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
         services=[master, client], storage_dirs=[d]), ("mooncake_master", "mooncake_client"))
@@ -233,7 +255,14 @@ def tier_lmcache(s: TierSettings) -> Tier:
     root = s.dir("lmcache")
     d = os.path.join(root, "fs")
     port = s.free_port()
-    adapter = {"type": "fs", "base_path": d, "max_capacity_gb": s.disk_gb}
+    # fs_native: the plain fs adapter reads no capacity (LMCache 0.5.6's FSL2AdapterConfig takes base_path,
+    # relative_tmp_dir, read_ahead_size and use_odirect only), so it would get unbounded disk; the native
+    # one counts max_capacity_gb (GiB) and evicts once the adapter carries an eviction block.
+    cap_gib = s.disk_gb * GB / GIB
+    adapter = {"type": "fs_native", "base_path": d, "num_workers": s.io_threads, "use_odirect": True,
+               "max_capacity_gb": round(cap_gib, 6),
+               "eviction": {"eviction_policy": "LRU", "trigger_watermark": EVICT_HIGH,
+                            "eviction_ratio": round(EVICT_HIGH - EVICT_LOW, 6)}}
     quiet = {"LMCACHE_TRACK_USAGE": "false"}  # its usage reports go to a public host: none from a benchmark
     server = Service("lmcache server", ["lmcache", "server", "--host", "127.0.0.1", "--port", str(port),
                                         "--l1-size-gb", str(s.host_gb), "--eviction-policy", "LRU",
@@ -242,8 +271,10 @@ def tier_lmcache(s: TierSettings) -> Tier:
     yaml = os.path.join(root, "lmcache.yaml")
     t = Tier("lmcache", ["--enable-lmcache", "--lmcache-config-file", yaml],
              f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM (LRU) in place of HiCache's "
-             f"host pool (--enable-lmcache excludes --enable-hierarchical-cache), fs L2 adapter in {d} capped at "
-             f"{s.disk_gb:g} GB; its own prefetch (no --hicache-storage-prefetch-policy"
+             f"host pool (--enable-lmcache excludes --enable-hierarchical-cache; L1 evicts at LMCache's default "
+             f"80 % watermark), fs_native L2 adapter in {d} ({s.io_threads} workers, O_DIRECT) capped at "
+             f"{s.disk_gb:g} GB ({cap_gib:.3f} GiB, LRU from 90 % to 85 %); its own prefetch (no "
+             f"--hicache-storage-prefetch-policy"
              + ("" if s.prefetch_threshold is None else " or prefetch threshold") + ")",
              env=quiet, services=[server], storage_dirs=[d],
              files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})

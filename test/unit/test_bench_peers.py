@@ -220,7 +220,7 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
 
     f = by["file"]
     assert cmd["file"][cmd["file"].index("--hicache-storage-backend") + 1] == "file"
-    assert _extra(f.args) == {"file_storage_path": f.storage_dirs[0], "max_size": 3 * (1 << 30)}
+    assert _extra(f.args) == {"file_storage_path": f.storage_dirs[0], "max_size": 3 * 10**9}  # every cap in GB
 
     n = by["nixl"]
     assert _extra(n.args) == {"use_direct_io": True} and "nixl" in cmd["nixl"]
@@ -233,9 +233,14 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     cfg = _extra(m.args)
     assert cfg["master_server_address"] == f"127.0.0.1:{master.port}" and cfg["protocol"] == "tcp"
     assert cfg["enable_ssd_offload"] is True and cfg["ssd_offload_path"] == m.storage_dirs[0]
-    assert m.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
+    assert m.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * 10**9)
     # one object per bucket: with the default grouping (500 objects or 256 MiB) the last ones wait in memory
     assert m.env["MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"] == "1"
+    # offloaded within a second (its default 10 s outlasted the harness's stop), read with io_uring + O_DIRECT,
+    # evicted in our GC's band
+    assert m.env["MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS"] == "1" and m.env["MOONCAKE_OFFLOAD_USE_URING"] == "1"
+    assert (m.env["MOONCAKE_OFFLOAD_DISK_EVICTION_HIGH_WATERMARK_RATIO"],
+            m.env["MOONCAKE_OFFLOAD_DISK_EVICTION_LOW_WATERMARK_RATIO"]) == ("0.9", "0.85")
     assert "mooncake" in cmd["mooncake"]
 
     ms = by["mooncake-standalone"]
@@ -244,7 +249,8 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     assert client.argv[0] == "mooncake_client" and "--enable_offload=true" in client.argv
     assert f"--master_server_address=127.0.0.1:{master.port}" in client.argv and f"--port={client.port}" in client.argv
     assert "--global_segment_size=4GB" in client.argv and client.env["MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"] == ms.storage_dirs[0]
-    assert client.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * (1 << 30))
+    assert client.env["MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"] == str(3 * 10**9)
+    assert client.env["MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS"] == "1"
     assert client.env["MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"] == "1"
     assert _extra(ms.args) == {"standalone_storage": True, "client_server_address": f"127.0.0.1:{client.port}"}
     assert ms.storage_dirs != m.storage_dirs  # its own directory
@@ -253,7 +259,10 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     (srv,) = lm.services
     assert srv.argv[:2] == ["lmcache", "server"] and srv.argv[srv.argv.index("--l1-size-gb") + 1] == "6"
     adapter = json.loads(srv.argv[srv.argv.index("--l2-adapter") + 1])
-    assert adapter == {"type": "fs", "base_path": lm.storage_dirs[0], "max_capacity_gb": 3.0}
+    # fs_native: the plain fs adapter reads no capacity; max_capacity_gb is GiB, enforced by the eviction block
+    assert adapter == {"type": "fs_native", "base_path": lm.storage_dirs[0], "num_workers": 8, "use_odirect": True,
+                       "max_capacity_gb": round(3e9 / (1 << 30), 6),
+                       "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.9, "eviction_ratio": 0.05}}
     assert "--enable-lmcache" in cmd["lmcache"] and "--enable-hierarchical-cache" not in cmd["lmcache"]
     yaml_path = cmd["lmcache"][cmd["lmcache"].index("--lmcache-config-file") + 1]
     assert lm.files[yaml_path] == f"mp_host: 127.0.0.1\nmp_port: {srv.port}\n"
@@ -369,9 +378,11 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
     out = tmp_path / "out"
     assert bench.main(["report", str(path), "--out-dir", str(out)]) == 0
     md = (out / "peers.md").read_text()
-    assert "| cp-l3-python | restart | 1.50 | 0.200 | 0.200 | 0.200 | 192 | 0 | 384 | 0.750 (0.750) | - | - | 2.00 | " \
-           "12.5 + 0.0 | 1 / 3 | 30.0 | 0.80 |" in md
-    assert "| hicache-l2 | replay | 2.00 |" in md and "0 / 4 (ref)" in md
+    assert "| cp-l3-python | restart | 1.50 | 1 / 4 | 0.200 | 0.200 | 0.200 | 192 | 0 | 384 | 0.750 (0.750) | - | - | " \
+           "2.00 | 12.5 + 0.0 | 1 / 3 | 30.0 | 0.80 |" in md
+    assert "| hicache-l2 | replay | 2.00 | 0 / 4 |" in md and "0 / 4 (ref)" in md
+    assert md.count("(ref)") == 1  # the reference tier's restart is checked against its replay too
+    assert "each row's output ids against `hicache-l2`'s replay" in md
     assert "| nixl | - | not run: ModuleNotFoundError: No module named 'nixl' |" in md
     assert "- `nixl`: ModuleNotFoundError: No module named 'nixl' -- needs pip install nixl" in md
     assert "- `cp-l3-python`: ours" in md
@@ -898,7 +909,57 @@ def test_printed_commands_carry_each_services_environment_and_make_the_storage_d
     lines = out.splitlines()
     client = next(x for x in lines if not x.startswith("#") and " mooncake_client " in x)
     assert client.startswith(f"MOONCAKE_OFFLOAD_FILE_STORAGE_PATH={ssd} ") and client.endswith(" &")
-    assert "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT=1 mooncake_client --master_server_address=127.0.0.1:" in client
+    assert " MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT=1 " in client
+    assert " MOONCAKE_OFFLOAD_USE_URING=1 mooncake_client --master_server_address=127.0.0.1:" in client
     assert lines.index(f"mkdir -p -m 700 {ssd}") < lines.index(client)
     assert f"mkdir -p -m 700 {work / 'file' / 'kv'}" in lines
     assert any(x.startswith("mooncake_master --rpc_port=") and x.endswith(" &") for x in lines)
+
+
+def test_every_phase_is_checked_against_the_reference_tiers_replay():
+    """Tiers without storage run no restart, so the first tier with a restart is a storage tier: its
+    restart must be checked like every other row (against the reference's replay), not be the reference."""
+    res = synthetic_result()
+    l2 = res["tiers"][0]
+    del l2["phases"]["restart"]  # as a tier without storage runs: replay only
+    ours = res["tiers"][1]
+    file_tier = json.loads(json.dumps(ours))
+    file_tier.update(name="file", how="upstream file")
+    wrong = file_tier["phases"]["restart"]["requests"]
+    wrong[0]["output_ids"] = [4, 4]  # a wrong page on file's restart
+    res["tiers"] = [l2, file_tier, ours]
+    rows = {(r["tier"], r["phase"]): r for r in report.summarize(res)}
+    assert rows[("file", "restart")]["ids_differ"] == 2 and not rows[("file", "restart")]["is_reference"]
+    assert rows[("cp-l3-python", "restart")]["ids_differ"] == 1  # its own wrong answer (prompt 1), nothing more
+    assert [k for k, r in rows.items() if r.get("is_reference")] == [("hicache-l2", "replay")]
+
+
+def test_merge_refuses_runs_whose_server_settings_differ(tmp_path):
+    """Runs merged into one table may differ in which tiers ran and where, not in what every tier runs
+    under (attention backend, layout, --server-arg, ...): the first differing option is named."""
+    base = ["run", "--work-dir", "/w", "--model", "small", "--workload", "storm", "--device-tokens", "133120"]
+    a, b = synthetic_result(), synthetic_result()
+    a["meta"]["argv"] = base + ["--tiers", "cp-l3-uring", "--out-dir", "/o/a"]
+    b["meta"]["argv"] = base + ["--tiers", "file", "--out-dir", "/o/b", "--no-warm-up"]
+    assert len(report.merge([a, b])["tiers"]) == len(a["tiers"])  # names repeat: the last run's rows
+    b["meta"]["argv"] = base + ["--tiers", "file", "--attention-backend", "fa3"]
+    with pytest.raises(ValueError, match=r"--attention-backend = 'fa3' differs from the first's 'triton'"):
+        report.merge([a, b])
+    b["meta"]["argv"] = base + ["--tiers", "file", "--server-arg=--chunked-prefill-size=4096"]
+    with pytest.raises(ValueError, match="--server-arg"):
+        report.merge([a, b])
+
+
+def test_a_restart_beside_dram_that_outlived_the_server_is_said_so():
+    res = synthetic_result()
+    lm = json.loads(json.dumps(res["tiers"][1]))
+    lm.update(name="lmcache", how="LMCache")
+    res["tiers"].append(lm)
+    res["meta"]["argv"] = ["run", "--work-dir", "/w"]
+    md = report.markdown(res, report.summarize(res))
+    assert "`lmcache`: its LMCache server's L1 ran on across the SGLang restart" in md
+    lm["restart_services"] = True
+    assert "ran on across the SGLang restart" not in report.markdown(res, report.summarize(res))
+    del lm["restart_services"]
+    res["meta"]["argv"].append("--restart-services")  # a run saved before the record said so
+    assert "ran on across the SGLang restart" not in report.markdown(res, report.summarize(res))
