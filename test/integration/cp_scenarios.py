@@ -357,3 +357,44 @@ def restore_fault_probe(rank, world, rendezvous, l3_config, n_pages, fault_rank,
                 "finished": sum(any(p is q for q in finished) for p in started)}
     finally:
         r.close()
+
+
+def late_draft_probe(rank, world, rendezvous, l3_config, sharded, n_pages):
+    """A draft KV pool registered as a sidecar after the store opened, as upstream registers an EAGLE
+    draft (``UnifiedRadixCache.register_sidecar_pool`` -> ``register_host_pool_entry``): its pages are
+    backed up and restored with the target KV's, byte for byte in both payloads."""
+    import torch
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    r = Rank(rank, world, rendezvous, l3_config, sharded=sharded, sidecars=False)
+    try:
+        out = {"rank": rank, "payloads_at_open": sorted(r.backend.payloads)}
+        pages = 64
+        dev = MLATokenToKVPool(size=pages * PAGE, page_size=PAGE, dtype=torch.uint8, kv_lora_rank=652,
+                               qk_rope_head_dim=4, layer_num=1, device="cpu", enable_memory_saver=False)
+        draft = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 1.0, 0, PAGE, "page_first",
+                                     pin_memory=False, device="cpu", override_kv_cache_dim=656,
+                                     device_capacity_tokens=pages * PAGE, start_layer=0, end_layer=0,
+                                     target_layer_num=1, host_token_capacity=pages * PAGE, pool_label="draft")
+        r.cc.register_host_pool_entry(build_pool_entry(name=PoolName.DRAFT, host_pool=draft, device_pool=dev,
+                                                       layer_mapping={0: 0}, transfer_layer_id_max=1))
+        r.sidecar_hosts[PoolName.DRAFT] = draft
+        out["payloads"] = sorted(r.backend.payloads)
+        tokens = tokens_for(n_pages, seed=9)
+        hi = r.alloc_host(n_pages * PAGE, start_owner=0)
+        r.fill(hi, n_pages, salt=2)
+        out["backed_up"] = r.backup(tokens, hi)
+        r.group.free(hi)
+        r.zero_host()
+        r.dist.barrier()
+        hit, completed, hi2 = r.prefetch(tokens)
+        out.update(hit=hit, completed=completed)
+        if hi2 is not None:
+            out["checked"], out["equal"] = r.check(hi2, completed // PAGE, salt=2)
+        return out
+    finally:
+        r.close()

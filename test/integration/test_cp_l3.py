@@ -223,3 +223,18 @@ def test_a_restore_that_raises_is_a_miss_and_leaves_no_read_running(l3cfg, where
     assert all(r["hit"] == 6 * PAGE for r in res), res
     faulty = res[1]
     assert faulty["started"] >= 1 and faulty["finished"] == faulty["started"], faulty
+
+
+@pytest.mark.parametrize("world,sharded", [(1, False), (2, True)])
+def test_a_draft_pool_registered_after_the_store_opened_is_stored_and_restored(l3cfg, world, sharded):
+    """Upstream registers an EAGLE draft's host pool as a sidecar after the storage backend attached; the
+    store opens again with that payload, so backups carry the draft pages with the target KV's and a
+    prefetch restores both, byte for byte (before: every backup and hit query failed on the unknown
+    payload, and the tier stored nothing)."""
+    from cp_scenarios import late_draft_probe
+
+    n_pages = 4
+    for r in run_ranks(world, late_draft_probe, (l3cfg, sharded, n_pages)):
+        assert r["payloads_at_open"] == ["kv"] and r["payloads"] == ["draft", "kv"], r
+        assert r["backed_up"] == n_pages * PAGE and r["completed"] == n_pages * PAGE, r
+        assert r["checked"] >= 1 and r["equal"] == r["checked"], r

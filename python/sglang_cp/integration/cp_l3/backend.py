@@ -168,12 +168,24 @@ class CpL3Storage(HiCacheStorage):
         # The plain HiCacheController fires on_host_pools_registered itself; the hybrid one
         # registers sidecars first. Either way the store opens once all payloads are known.
 
-    def on_host_pools_registered(self) -> None:
-        if self.store is not None:
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name):
+        """Upstream registers most sidecar pools before ``on_host_pools_registered``, but a draft registered
+        as a sidecar after the attach (EAGLE / EAGLE3: ``UnifiedRadixCache.register_sidecar_pool``) arrives
+        here alone, once the store is open. Its pages are backed up with the target KV's, so the store is
+        opened again with that payload (at startup, before any request): a store without it failed every
+        backup and every hit query, leaving the tier on but empty."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if self.store is None or pool_key(host_pool_name) in self.payloads:
             return
-        from sglang_cp.args import load_config
-        from sglang_cp.l3 import L3Store
+        self._refuse_trailing_pools()
+        old = self.store
+        self.store = None
+        old.close()
+        self._open_store(cold_start="load")  # what the first open did stays (a 'clear' left it empty)
+        logger.info("sglang-cp L3: payload %s registered after the store opened; store reopened with payloads %s",
+                    pool_key(host_pool_name), self.payloads)
 
+    def _refuse_trailing_pools(self) -> None:
         trailing = sorted(pool_key(n) for n in self.registered_pools if pool_key(n) in TRAILING_POOLS)
         if trailing:
             raise L3StartupError(
@@ -182,6 +194,30 @@ class CpL3Storage(HiCacheStorage):
                 "pools only (target KV, DSA indexer, draft KV). Drop --enable-cp-l3 for this model (upstream's "
                 "--hicache-storage-backend file serves it), or turn the hybrid pools off where the model allows "
                 "(e.g. --disable-hybrid-swa-memory)")
+
+    def on_host_pools_registered(self) -> None:
+        if self.store is not None:
+            return
+        self._refuse_trailing_pools()
+        sc = self.storage_config
+        # One L3 rank per KV-owning process of this node (DP replica, attention DP/CP/TP, PP), numbered
+        # among the node's own processes; the store's lock refuses a second owner (l3_identity).
+        self.identity = derive_identity(sc, runtime_topology())
+        cfg = self._open_store(self.cold_start)
+        RESTORE.attach(self, self.shard_size)  # the restore path's hooks act from here on (prefetch.py)
+        # This is the serving process (upstream's scheduler): its GIL hand-offs bound a restore's waits.
+        self.switch_interval = SwitchInterval(cfg.io.gil_switch_interval_ms)
+        self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
+        logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s, backup ack %s",
+                    self.identity.label(), self.shard_rank, self.shard_size, self.payloads,
+                    self.store.config.backup_ack)
+
+    def _open_store(self, cold_start: str):
+        """The store over every registered payload, and the keys that name its pages (the digest covers
+        each payload's page bytes); returns the L3 config."""
+        from sglang_cp.args import load_config
+        from sglang_cp.l3 import L3Store
+
         payloads = {KV_PAYLOAD: self._page_bytes(self._native(self.mem_pool_host))}
         for name, pool in self.registered_pools.items():
             pname = pool_key(name)
@@ -189,13 +225,10 @@ class CpL3Storage(HiCacheStorage):
                 payloads[pname] = self._page_bytes(pool)
         cfg = load_config(self.l3_config_path)
         sc = self.storage_config
-        # One L3 rank per KV-owning process of this node (DP replica, attention DP/CP/TP, PP), numbered
-        # among the node's own processes; the store's lock refuses a second owner (l3_identity).
-        self.identity = derive_identity(sc, runtime_topology())
         rank, ranks_per_node = self.identity.local_rank, self.identity.local_count
         logical_dtypes = self._logical_dtypes(payloads)
         self.store = L3Store(cfg, rank=rank, ranks_per_node=ranks_per_node, payloads=payloads,
-                             cold_start=self.cold_start, owner=self.identity.label())
+                             cold_start=cold_start, owner=self.identity.label())
         native = self._native(self.mem_pool_host)
         self.keys = KeyScheme(KeyIdentity(
             model=str(sc.model_name or ""),
@@ -214,13 +247,7 @@ class CpL3Storage(HiCacheStorage):
             logical_dtypes=logical_dtypes,
         ))
         self.payloads = payloads
-        RESTORE.attach(self, self.shard_size)  # the restore path's hooks act from here on (prefetch.py)
-        # This is the serving process (upstream's scheduler): its GIL hand-offs bound a restore's waits.
-        self.switch_interval = SwitchInterval(cfg.io.gil_switch_interval_ms)
-        self._metrics = _start_metrics(sc, self.shard_rank if self.sharded else sc.attn_cp_rank, self.l3_stats)
-        logger.info("sglang-cp L3 backend ready: %s, shard %d/%d, payloads %s, backup ack %s",
-                    self.identity.label(), self.shard_rank, self.shard_size, payloads,
-                    self.store.config.backup_ack)
+        return cfg
 
     def _logical_dtypes(self, payloads: dict) -> tuple:
         """((payload, logical KV dtype), ...) as the device pools declare them (l3_storage_config)."""

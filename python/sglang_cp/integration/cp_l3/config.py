@@ -7,7 +7,11 @@ device pools at hand. When our backend is the one configured, this hook does two
    page written under the other (a restart under the other format would read it as a hit: wrong KV).
    Only the device pools know the logical dtype (``KVCache.dtype`` vs its ``store_dtype``), so each
    payload's logical dtype is recorded in ``extra_config[DTYPES_KEY]``; our backend puts it in its keys
-   (``keys.py``) and refuses a uint8 pool without it.
+   (``keys.py``) and refuses a uint8 pool without it. A sidecar registered after the attach (an EAGLE
+   draft) gets its entry from a second hook, on
+   ``sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.register_host_pool_entry``
+   (BEFORE), where the entry still carries its device pool; the backend then reopens its store with
+   that payload (``backend.register_mem_host_pool_v2``).
 2. **Every rank writes.** Upstream lets only TP rank 0 write rank-replicated (MLA) KV
    (``HiCacheStorageConfig.is_storage_writer``). Our store is per rank: under KV sharding each rank
    persists its own stripe, and without sharding each rank keeps its own replica (no cross-rank
@@ -29,6 +33,7 @@ from sglang_cp.integration.hookspec import HookSpec
 UPSTREAM_SYMBOLS = (
     "sglang.srt.managers.cache_controller.HiCacheController._generate_storage_config",
     "sglang.srt.mem_cache.pool_host.group.HostPoolGroup",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController.register_host_pool_entry",
 )
 DTYPES_KEY = "cp_l3_kv_dtypes"
 
@@ -67,7 +72,28 @@ def generate_storage_config_after(result, controller, *args, **kwargs):
     return CpL3StorageConfig(**fields)
 
 
+def register_host_pool_entry_before(self, entry, *args, **kwargs):
+    """A sidecar pool registered after the attach (an EAGLE draft: ``register_sidecar_pool``) reaches our
+    backend through ``register_mem_host_pool_v2`` alone, which carries no device pool: its logical dtype
+    is recorded here first, where the entry still has it, as the storage config's hook does for the rest."""
+    sc = getattr(getattr(self, "storage_backend", None), "storage_config", None)
+    extra = getattr(sc, "extra_config", None)
+    if not isinstance(extra, dict) or extra.get("backend_name") != L3_BACKEND_NAME:
+        return  # not ours
+    dtype = getattr(getattr(entry, "device_pool", None), "dtype", None)
+    if dtype is not None:
+        extra.setdefault(DTYPES_KEY, {})[_pool_name(entry.name)] = str(dtype)
+
+
 HOOKS = (
+    HookSpec(
+        target=("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+                ".register_host_pool_entry"),
+        kind="before",
+        fn=register_host_pool_entry_before,
+        seed="keys name the logical KV dtype (fp8 formats share a storage dtype)",
+        why="the one place a sidecar registered after the attach still carries its device pool",
+    ),
     HookSpec(
         target="sglang.srt.managers.cache_controller.HiCacheController._generate_storage_config",
         kind="after",
