@@ -185,12 +185,29 @@ def add_cli_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         if "--enable-cp-l3" in action.option_strings:
             return None
     group = parser.add_argument_group(GROUP_TITLE, GROUP_DESCRIPTION)
+    ours = []
     for flag, kwargs in _ARGS:
         kwargs = dict(kwargs)
         if kwargs.get("action") is None:  # a valued flag: ours reports its errors (_CpValue)
             kwargs.update(action=_CpValue, convert=kwargs.pop("type", str))
-        group.add_argument(flag, **kwargs)
+        ours.append(group.add_argument(flag, **kwargs))
+    keep_upstream_abbreviations(parser, ours)
     return group
+
+
+def keep_upstream_abbreviations(parser: argparse.ArgumentParser, ours: list) -> None:
+    """argparse takes a unique prefix of an option for the option (``--enable-cp`` for upstream's
+    ``--enable-cp-decode-attn-tp``). Our flags would make such prefixes ambiguous, so a command line that
+    upstream parses would fail once the plugin is installed, flags off or not. Where a prefix names one of
+    upstream's options besides ours, it names upstream's as before; a prefix of ours alone still works."""
+    lookup = parser._get_option_tuples  # argparse's prefix lookup (the one place abbreviations resolve)
+    mine = {id(a) for a in ours}
+
+    def upstream_first(option_string):
+        found = lookup(option_string)
+        theirs = [t for t in found if id(t[0]) not in mine]
+        return theirs if theirs else found
+    parser._get_option_tuples = upstream_first
 
 
 def arg_specs() -> list[tuple[str, dict]]:
@@ -291,6 +308,9 @@ def user_prefetch_tuning(server_args: Any) -> dict:
     return out
 
 
+MIN_SLAB_GB = 2 / 1024  # one 2 MiB hugepage, in GiB
+
+
 def validate(server_args: Any, *, check_paths: bool = True) -> CpFlags:
     """Validate our flags against each other and against SGLang's own flags.
 
@@ -346,16 +366,30 @@ def validate(server_args: Any, *, check_paths: bool = True) -> CpFlags:
                 "--enable-cp-shared-physical-l2-hicache needs --enable-hierarchical-cache: "
                 "it changes where the HiCache host pool lives. Add --enable-hierarchical-cache."
             )
+        if (getattr(server_args, "dcp_size", 1) or 1) > 1:
+            # Under DCP the host pool's transfer methods take logical slots (size x dcp) that upstream maps
+            # to physical rows only inside the copy; the slab splitter cuts physical rows.
+            raise CpArgsError(
+                f"--enable-cp-shared-physical-l2-hicache does not support --dcp-size {server_args.dcp_size} "
+                "yet (its slab splitter would cut a page's transfer at the wrong rows); drop one of them.")
+        if (getattr(server_args, "dp_size", 1) or 1) > 1 and not getattr(server_args, "enable_dp_attention", False):
+            # Each DP replica is its own torch.distributed world: every replica's rank 0 would name the same
+            # slab files (namespaced by --port and rank) and the second would be refused as their owner.
+            raise CpArgsError(
+                f"--enable-cp-shared-physical-l2-hicache does not support --dp-size {server_args.dp_size} "
+                "without --enable-dp-attention (the replicas would claim the same hugepage slab files); run one "
+                "server per replica, each with its own --port, or add --enable-dp-attention.")
         if check_paths and not os.path.isdir(f.cp_shared_l2_hugetlbfs_dir):
             raise CpArgsError(
                 f"--cp-shared-l2-hugetlbfs-dir {f.cp_shared_l2_hugetlbfs_dir!r} is not a "
                 f"directory. Mount hugetlbfs there (mount -t hugetlbfs none "
                 f"{f.cp_shared_l2_hugetlbfs_dir}) or point the flag at an existing mount."
             )
-    if not (f.cp_hicache_max_slab_gb > 0):
+    if not (MIN_SLAB_GB <= f.cp_hicache_max_slab_gb < float("inf")):
         raise CpArgsError(
-            f"--cp-hicache-max-slab-gb must be > 0 (GiB per cudaHostRegister call); got "
-            f"{f.cp_hicache_max_slab_gb}. The default 480 is safe on current drivers."
+            f"--cp-hicache-max-slab-gb must be a finite number of GiB per cudaHostRegister call, at least one "
+            f"2 MiB hugepage ({MIN_SLAB_GB:g}); got {f.cp_hicache_max_slab_gb}. The default 480 is safe on "
+            "current drivers."
         )
     if f.cp_hicache_placement_assert and not hicache:
         raise CpArgsError(

@@ -132,8 +132,10 @@ def _register_failure_notice(cause: str, refused: bool = False) -> None:
         result = original(parser)
         if not any(f in a.option_strings for a in parser._actions for f in FLAGS):
             group = parser.add_argument_group(f"sglang-cp ({what}: its flags are unavailable)")
-            for flag in FLAGS:
-                group.add_argument(flag, action=_Unavailable, nargs="?", help=argparse.SUPPRESS)
+            from sglang_cp.args import keep_upstream_abbreviations
+
+            keep_upstream_abbreviations(parser, [group.add_argument(flag, action=_Unavailable, nargs="?",
+                                                                    help=argparse.SUPPRESS) for flag in FLAGS])
         return result
 
     try:

@@ -101,7 +101,12 @@ VALIDATION_CASES = [
     (["--enable-hierarchical-cache", "--enable-cp-l3", "--cp-l3-config", "x.toml", "--enable-kv-cache-sharding",
       "--hicache-host-memory-mode", "buffer_only"],
      "--hicache-host-memory-mode buffer_only is not supported with --enable-cp-l3 under --enable-kv-cache-sharding"),
-    (["--cp-hicache-max-slab-gb", "0"], "--cp-hicache-max-slab-gb must be > 0"),
+    (["--cp-hicache-max-slab-gb", "0"], "--cp-hicache-max-slab-gb must be a finite number of GiB"),
+    (["--cp-hicache-max-slab-gb", "inf"], "at least one 2 MiB hugepage (0.00195312); got inf"),
+    (["--enable-hierarchical-cache", "--enable-cp-shared-physical-l2-hicache", "--dcp-size", "2"],
+     "--enable-cp-shared-physical-l2-hicache does not support --dcp-size 2"),
+    (["--enable-hierarchical-cache", "--enable-cp-shared-physical-l2-hicache", "--dp-size", "2"],
+     "does not support --dp-size 2 without --enable-dp-attention"),
     (["--cp-hicache-placement-assert"], "--cp-hicache-placement-assert checks HiCache"),
     (["--cp-l3-cold-start", "maybe"], "--cp-l3-cold-start must be one of clear, load, verify; got 'maybe'."),
     # upstream's prefetch settings pass through --hicache-storage-backend-extra-config; nothing else does
@@ -235,7 +240,23 @@ NEUTRAL = textwrap.dedent(
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         parser.print_help()
-    print(json.dumps({"resolved": a.resolved_dict(), "help": buf.getvalue()}, default=repr))
+    # Every prefix of one of our flags that names exactly one of upstream's options (``--enable-cp`` for
+    # ``--enable-cp-decode-attn-tp``) resolves to that option, as it does without the plugin.
+    from sglang_cp.args import arg_specs
+    FLAGS = [flag for flag, _ in arg_specs()]
+    theirs = [o for a in parser._actions for o in a.option_strings if o not in FLAGS]
+    abbrevs = {}
+    for flag in FLAGS:
+        for k in range(3, len(flag)):
+            prefix = flag[:k]
+            if prefix not in abbrevs and len([o for o in theirs if o.startswith(prefix)]) == 1:
+                try:
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        ns, rest = parser.parse_known_args(["--model-path", "dummy", prefix, "1"])
+                    abbrevs[prefix] = [k for k, v in vars(ns).items() if v != parser.get_default(k)]
+                except SystemExit:
+                    abbrevs[prefix] = "refused"
+    print(json.dumps({"resolved": a.resolved_dict(), "help": buf.getvalue(), "abbrevs": abbrevs}, default=repr))
     """
 )
 
@@ -245,6 +266,8 @@ def test_flags_off_is_behaviour_neutral(procs):
     on, off = ok(procs["neutral_on"]), ok(procs["neutral_off"])
     on_d, off_d = json.loads(on.stdout.splitlines()[-1]), json.loads(off.stdout.splitlines()[-1])
     assert on_d["resolved"] == off_d["resolved"]
+    assert on_d["abbrevs"] and on_d["abbrevs"] == off_d["abbrevs"]
+    assert on_d["abbrevs"]["--enable-cp"] != "refused"  # upstream's --enable-cp-decode-attn-tp
     help_on, help_off = on_d["help"], off_d["help"]
     assert "sglang-cp (context-parallel tiered KV cache)" in help_on
     assert "sglang-cp" not in help_off
