@@ -365,23 +365,25 @@ class WriteThread:
                 st.dropping.discard(m.ikey)
 
     def _drop_page(self, pool: PayloadSlab, ikey: bytes, e: IndexEntry, deleted: Optional[bool]) -> None:
-        st = self.st
+        """Free the bad page's slot if it is still this page's, counting it then only (whoever else freed
+        it -- GC, a delete, a rewrite -- counted it already). Unless the reader deleted the exact index
+        entry (True), the entry is deleted here first: the reader's delete failed (None), or found nothing
+        (False: under backup_ack = "written" it read the page before its group commit, which has landed
+        since, since the page is in the LRU; freeing the slot alone would leave that entry naming it)."""
         cur = pool.lru.get(ikey)
-        ours = cur is not None and (cur.slot, cur.seq) == (e.slot, e.seq)
-        if deleted is None:  # the reader's index delete failed: retry here, still before any free
-            if ours:
-                if self._delete_then_free(pool, [(ikey, cur)]):
-                    st.count("bad_pages_dropped")
+        if cur is None or (cur.slot, cur.seq) != (e.slot, e.seq):
             return
-        if ours:
+        if deleted:
             pool.release(ikey, cur)
             self.dirty_touch.pop(ikey, None)
-        if deleted:
-            st.count("bad_pages_dropped")
+        elif not self._delete_then_free(pool, [(ikey, cur)]):
+            return  # the index refused the delete (counted): the slot stays, as the entry does
+        self.st.count("bad_pages_dropped")
 
     def _delete(self, m: Delete) -> None:
         try:
-            victims = [(k, m.pool.lru.get(k)) for k in m.ikeys if k in m.pool.lru]
+            # Each key once: a key given twice would free its slot twice (an invariant error: a dead store).
+            victims = [(k, m.pool.lru.get(k)) for k in dict.fromkeys(m.ikeys) if k in m.pool.lru]
             ok = self._delete_then_free(m.pool, victims)
             m.reply.result = len(victims) if ok else 0
             if ok:

@@ -176,3 +176,83 @@ def test_a_page_dropped_as_bad_is_written_again_before_the_write_thread_forgets_
     assert box.get("ok") == [True]
     assert s.stats()["counters"]["spill_pages"] == spilled + 1, "the rewrite was taken for a durable page"
     assert s.read_pages("kv", ks, o) == [True] * 8 and bytes(o[5]) == page(5)
+
+
+def _corrupt_slot(s, slot):
+    """Flip payload bytes in ``slot`` (through the page cache, fsync'd: an O_DIRECT read sees them)."""
+    pool = s.state.pools["kv"]
+    fd = os.open(pool.slab.path, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\xff" * 16, slot * pool.slab.slot_bytes + HEADER_BYTES + 100)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hold_drops(s, monkeypatch):
+    """Drops a reader posts are held back (returned to post later), to order them against the write thread."""
+    from sglang_cp.l3.messages import Drop
+
+    held, post = [], s.state.post
+    monkeypatch.setattr(s.state, "post", lambda m: held.append(m) if isinstance(m, Drop) else post(m))
+    return held, post
+
+
+def test_a_page_dropped_after_its_commit_landed_leaves_no_entry_naming_its_slot(make_store, monkeypatch):
+    """backup_ack = "written": a read of a page whose group commit is pending finds it bad, and its index
+    delete finds nothing yet. When the commit lands before the write thread handles the drop, the drop
+    deletes the entry before it frees the slot: no two entries ever name one slot."""
+    from l3_helpers import held_sync, wait_for
+
+    inj, gate, _syncs = held_sync()
+    s = make_store(fault_injector=inj, durability={"backup_ack": "written"})
+    st = s.state
+    held, post = _hold_drops(s, monkeypatch)
+    assert s.write_pages("kv", [b"K"], [page(1)]) == [True]
+    assert st.index.count() == 0  # its commit waits on the held fdatasync
+    _corrupt_slot(s, next(iter(st.inflight.values())).slot)
+    assert read_one(s, b"K") is False
+    assert len(held) == 1 and held[0].deleted is False
+    gate.set()
+    wait_for(lambda: st.index.count() == 1 and not st.inflight, "the commit landing")
+    post(held[0])
+    wait_for(lambda: not st.dropping, "the drop handled")
+    assert st.index.count() == 0, "the bad page's entry outlived its slot"
+    assert s.write_pages("kv", [b"K2"], [page(2)]) == [True]  # may take the freed slot
+    wait_for(lambda: not st.inflight, "K2 committed")
+    slots = [e.slot for _, e in st.index.all_entries()]
+    assert len(slots) == len(set(slots)) == 1
+    assert s.stats()["counters"]["bad_pages_dropped"] == 1
+
+
+def test_a_bad_page_freed_first_by_another_path_is_counted_once(make_store, monkeypatch):
+    """The soak's balance (spilled - replaced - reclaimed - dropped == live growth) counts each freed slot
+    once: a delete that frees a bad page before the reader's drop reaches the write thread counts it, and
+    the drop does not count it again."""
+    s = make_store()
+    st = s.state
+    assert s.write_pages("kv", [b"K"], [page(1)]) == [True]
+    _corrupt_slot(s, st.index.all_entries()[0][1].slot)
+    held, post = _hold_drops(s, monkeypatch)
+    before = dict(s.stats()["counters"])
+    assert read_one(s, b"K") is False and held and held[0].deleted is True
+    assert s.delete("kv", [b"K"]) == 1  # the reader deleted its entry; the delete frees the LRU's page
+    post(held[0])
+    from l3_helpers import wait_for
+
+    wait_for(lambda: not st.dropping, "the drop handled")
+    after = s.stats()["counters"]
+    freed = sum(after[k] - before[k] for k in ("deleted_pages", "bad_pages_dropped", "gc_reclaimed"))
+    assert freed == 1 and s.stats()["occupancy"]["kv"]["used"] == 0
+
+
+def test_a_delete_naming_a_key_twice_deletes_it_once(make_store):
+    s = make_store()
+    assert s.write_pages("kv", [b"a", b"b"], [page(1), page(2)]) == [True, True]
+    assert s.delete("kv", [b"a", b"a"]) == 1
+    assert s.write_pages("kv", [b"c"], [page(3)]) == [True]  # the store is alive
+    assert read_one(s, b"a") is False and read_one(s, b"b") is True
+
+
+def read_one(s, key):
+    return s.read_pages("kv", [key], [np.zeros(P, np.uint8)])[0]
