@@ -56,6 +56,15 @@ def roundtrip(rank, world, rendezvous, l3_config, sharded, n_pages, write_phase,
         r.close()
 
 
+def restore_and_check(r, tokens, salt, out) -> None:
+    """Upstream's prefetch of ``tokens`` on rank ``r``; ``out`` gets the agreed hit, the completed tokens and
+    (when something was restored) the pages of this rank's stripe checked / equal to the ``salt`` pattern."""
+    hit, completed, hi2 = r.prefetch(tokens)
+    out.update(hit=hit, completed=completed)
+    if hi2 is not None:
+        out["checked"], out["equal"] = r.check(hi2, completed // PAGE, salt=salt)
+
+
 def _digest(*parts) -> str:
     import hashlib
     import json
@@ -143,10 +152,7 @@ def identity_probe(rank, world, rendezvous, l3_config, n_pages, write, model_nam
             r.fill(hi, n_pages, salt=5)
             out["backed"] = r.backup(tokens, hi)
         else:
-            hit, completed, hi2 = r.prefetch(tokens)
-            out.update(hit=hit, completed=completed)
-            if hi2 is not None:
-                out["checked"], out["equal"] = r.check(hi2, completed // PAGE, salt=5)
+            restore_and_check(r, tokens, 5, out)
         return out
     finally:
         r.close()
@@ -391,10 +397,7 @@ def late_draft_probe(rank, world, rendezvous, l3_config, sharded, n_pages):
         r.group.free(hi)
         r.zero_host()
         r.dist.barrier()
-        hit, completed, hi2 = r.prefetch(tokens)
-        out.update(hit=hit, completed=completed)
-        if hi2 is not None:
-            out["checked"], out["equal"] = r.check(hi2, completed // PAGE, salt=2)
+        restore_and_check(r, tokens, 2, out)
         return out
     finally:
         r.close()

@@ -28,23 +28,29 @@ class Tokens:
         costs it up to the switch interval to get the GIL back beside a busy Python thread."""
         with self._cond:
             if not self._free and blocking and not self._shut:
-                need = max(1, min(ready, self.limit))
-                self._waiting.append(need)
-                try:
-                    while self._free < need and not self._shut:
-                        if deadline is None:
-                            self._cond.wait()
-                        else:
-                            left = deadline - time.monotonic()
-                            if left <= 0:
-                                return False
-                            self._cond.wait(left)
-                finally:
-                    self._waiting.remove(need)
+                if not self._wait_for(max(1, min(ready, self.limit)), deadline):
+                    return False
             if self._shut or not self._free:
                 return False
             self._free -= 1
             return True
+
+    def _wait_for(self, need: int, deadline: Optional[float]) -> bool:
+        """Under the condition's lock: wait until `need` tokens are free or the pool is shut (True), or
+        until `deadline` passed (False)."""
+        self._waiting.append(need)
+        try:
+            while self._free < need and not self._shut:
+                if deadline is None:
+                    self._cond.wait()
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            return True
+        finally:
+            self._waiting.remove(need)
 
     def acquire_many(self, n: int, deadline: Optional[float] = None) -> bool:
         """``n`` tokens (1..limit) at once, or none: a caller never holds some while it waits for the rest.
@@ -54,19 +60,8 @@ class Tokens:
         if not 1 <= n <= self.limit:
             raise L3InvariantError(f"{n} tokens asked at once of {self.limit}")
         with self._cond:
-            if self._free < n and not self._shut:
-                self._waiting.append(n)
-                try:
-                    while self._free < n and not self._shut:
-                        if deadline is None:
-                            self._cond.wait()
-                        else:
-                            left = deadline - time.monotonic()
-                            if left <= 0:
-                                return False
-                            self._cond.wait(left)
-                finally:
-                    self._waiting.remove(n)
+            if self._free < n and not self._shut and not self._wait_for(n, deadline):
+                return False
             if self._shut or self._free < n:
                 return False
             self._free -= n
