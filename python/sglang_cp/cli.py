@@ -282,6 +282,14 @@ def _cmd_l3_fsck(ns) -> int:
                                  "slot was read; the others are counted as transient"))
     counts = rep.counts()
     if ns.repair and (rep.problems() or counts["orphan"]):
+        # Checked again now the scan is over: a server that started during a long scan may have written
+        # pages into slots the scan found free (orphans), whose headers repair would zero.
+        late = ([f"rank {r} by pid {h.pid if h.pid is not None else '?'}" for r, h in fsck.live_owners(cfg)]
+                + [f"pid {p} ({c})" for p, c in fsck.live_users(cfg)])
+        if late:
+            console.print(escape(f"refusing --repair: a store started while fsck scanned ({'; '.join(late)}); "
+                                 "nothing was repaired. Stop the server and run it again."), style="bold red")
+            return FSCK_USAGE
         fsck.repair(cfg, rep)
     if ns.json:
         print(json.dumps({"entries": rep.entries, "live": rep.live, "slabs": len(rep.slabs), "live_check": ns.live,

@@ -196,6 +196,43 @@ def test_fsck_refuses_repair_while_a_store_has_the_directory_open(l3dir):
     assert cli("l3", "fsck", "--cp-l3-config", cfg_path, "--repair").returncode == 0
 
 
+def test_fsck_repair_refuses_when_a_store_started_during_the_scan(l3dir, monkeypatch):
+    """The live-store check before a scan is not enough for --repair: a server that starts during a long
+    scan can write pages into slots the scan found free, whose headers repair would zero. The check runs
+    again after the scan; a store that started meanwhile refuses the repair and keeps its pages."""
+    from sglang_cp import cli as cp_cli
+    from sglang_cp.l3.tools import fsck
+
+    cfg_path, cfg = l3dir
+    ikey, _ = _entry(cfg, 0, b"k0")
+    ix = LmdbIndex(cfg.index.dir, cfg.index.map_size_bytes, cfg.index.max_map_size_bytes)
+    try:  # a lost index entry: its slot is an orphan the repair would zero
+        ix.commit(deletes=[(ikey, ix.get_many([ikey])[0])])
+    finally:
+        ix.close()
+    scan, started = fsck.check, []
+
+    def scan_while_a_store_starts(config, *a, **kw):
+        rep = scan(config, *a, **kw)
+        s = L3Store(cfg, rank=0, ranks_per_node=2, payloads={"kv": PAGE_BYTES}, cold_start="load")
+        started.append(s)
+        # its first write takes a free slot: the orphan the scan listed
+        assert s.write_pages("kv", [b"new"], [page(0, 99)], timeout=60) == [True]
+        return rep
+    monkeypatch.setattr(fsck, "check", scan_while_a_store_starts)
+    try:
+        rc = cp_cli.main(["l3", "fsck", "--cp-l3-config", cfg_path, "--repair"])
+        s = started[0]
+        out = np.zeros(PAGE_BYTES, np.uint8)
+        assert s.read_pages("kv", [b"new"], [out], timeout=60) == [True], "repair zeroed a live page's header"
+        assert np.array_equal(out, page(0, 99)) and rc == cp_cli.FSCK_USAGE
+    finally:
+        for s in started:
+            s.close()
+    monkeypatch.undo()
+    assert cli("l3", "fsck", "--cp-l3-config", cfg_path, "--repair").returncode in (0, 3)
+
+
 def test_bad_config_is_a_usage_error(disk_tmp):
     missing = str(disk_tmp / "nope.toml")
     for sub in ("stats", "fsck"):
