@@ -170,9 +170,9 @@ class _CpValue(argparse.Action):
             raise CpArgsError(f"{flag}: {values!r} is not a number; give it in {self.metavar}, "
                               f"e.g. {flag} {self.default}.") from None
         given = namespace.__dict__.setdefault("_sglang_cp_given", {})
-        # Upstream's --config merges a YAML file's values in front of the command line's, which
-        # then override them: a flag may come twice there by design.
-        if self.dest in given and given[self.dest] != value and "--config" not in sys.argv:
+        # Upstream's --config puts a YAML file's values in front of the command line's; where the command
+        # line gives one of our flags, the merge hook (integration/server_args/cli.py) dropped the YAML's.
+        if self.dest in given and given[self.dest] != value:
             raise CpArgsError(f"{flag} is given twice ({given[self.dest]!r}, then {value!r}): "
                               f"give it once, with the value you mean.")
         given[self.dest] = value
@@ -208,6 +208,11 @@ def keep_upstream_abbreviations(parser: argparse.ArgumentParser, ours: list) -> 
         theirs = [t for t in found if id(t[0]) not in mine]
         return theirs if theirs else found
     parser._get_option_tuples = upstream_first
+
+
+def valued_flags() -> set:
+    """Our flags that take a value (each refuses a second, different one)."""
+    return {flag for flag, kwargs in _ARGS if kwargs.get("action") is None}
 
 
 def arg_specs() -> list[tuple[str, dict]]:

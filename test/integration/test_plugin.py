@@ -336,3 +336,41 @@ REGISTER = textwrap.dedent(
 def test_register_is_idempotent_and_never_raises(procs):
     p = ok(procs["register"])
     assert "OK registration failed: RuntimeError('hook module import failed')" in p.stdout
+
+
+CONFIG_MERGE = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    assert "--config" not in sys.argv  # a program's own argv list, not the process's command line
+    d = tempfile.mkdtemp()
+    yaml = os.path.join(d, "server.yaml")
+    with open(yaml, "w") as f:
+        f.write("cp-hicache-max-slab-gb: 200\\ncp-l3-cold-start: load\\n")
+    out = {}
+    a = prepare_server_args(["--model-path", "dummy", "--config", yaml, "--cp-hicache-max-slab-gb", "100"])
+    out["overridden"] = [a.cp_hicache_max_slab_gb, a.cp_l3_cold_start]
+    a = prepare_server_args(["--model-path", "dummy", "--config", yaml])
+    out["yaml_only"] = [a.cp_hicache_max_slab_gb, a.cp_l3_cold_start]
+    try:
+        prepare_server_args(["--model-path", "dummy", "--config", yaml, "--cp-hicache-max-slab-gb", "100",
+                             "--cp-hicache-max-slab-gb", "50"])
+        out["twice"] = "parsed"
+    except Exception as e:
+        out["twice"] = str(e)
+    print("MERGE", json.dumps(out))
+    """
+)
+
+
+def test_a_config_yaml_given_to_prepare_server_args_is_overridden_by_the_list(procs):
+    """Upstream's --config merge through a program's own argv list (not sys.argv): the list's value of one
+    of our flags overrides the YAML's, the YAML's stands alone, and a flag repeated in the list itself is
+    still refused as given twice."""
+    p = run_py(CONFIG_MERGE)
+    assert p.returncode == 0 and "MERGE" in p.stdout, p.stdout + p.stderr[-2000:]
+    out = json.loads(p.stdout.split("MERGE", 1)[1])
+    assert out["overridden"] == [100.0, "load"] and out["yaml_only"] == [200.0, "load"]
+    assert "--cp-hicache-max-slab-gb is given twice (100.0, then 50.0)" in out["twice"]
