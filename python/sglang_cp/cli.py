@@ -241,6 +241,12 @@ _FSCK_HELP = (
 )
 
 
+def _holders(owners: list) -> str:
+    """The live owners of L3 ranks (``fsck.live_owners``), for a message."""
+    return "; ".join(f"rank {r} by pid {h.pid if h.pid is not None else '?'}" + (f" ({h.owner})" if h.owner else "")
+                     for r, h in owners)
+
+
 def _cmd_l3_fsck(ns) -> int:
     import json
 
@@ -253,8 +259,7 @@ def _cmd_l3_fsck(ns) -> int:
     if cfg is None:
         return FSCK_USAGE
     owners = fsck.live_owners(cfg)
-    held = "; ".join(f"rank {r} by pid {h.pid if h.pid is not None else '?'}" + (f" ({h.owner})" if h.owner else "")
-                     for r, h in owners)
+    held = _holders(owners)
     if owners and ns.repair:
         console.print(escape(f"refusing --repair: a live store owns this L3 directory ({held}). Stop the "
                              "server and run it again."), style="bold red")
@@ -284,10 +289,10 @@ def _cmd_l3_fsck(ns) -> int:
     if ns.repair and (rep.problems() or counts["orphan"]):
         # Checked again now the scan is over: a server that started during a long scan may have written
         # pages into slots the scan found free (orphans), whose headers repair would zero.
-        late = ([f"rank {r} by pid {h.pid if h.pid is not None else '?'}" for r, h in fsck.live_owners(cfg)]
-                + [f"pid {p} ({c})" for p, c in fsck.live_users(cfg)])
+        late = "; ".join(x for x in (_holders(fsck.live_owners(cfg)),
+                                     "; ".join(f"pid {p} ({c})" for p, c in fsck.live_users(cfg))) if x)
         if late:
-            console.print(escape(f"refusing --repair: a store started while fsck scanned ({'; '.join(late)}); "
+            console.print(escape(f"refusing --repair: a store started while fsck scanned ({late}); "
                                  "nothing was repaired. Stop the server and run it again."), style="bold red")
             return FSCK_USAGE
         fsck.repair(cfg, rep)

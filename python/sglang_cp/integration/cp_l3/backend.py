@@ -25,6 +25,8 @@ the HiCache storage tier".
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -442,7 +444,8 @@ class CpL3Storage(HiCacheStorage):
             for p in payloads:
                 started.reads.append(self._start_get(p, keys, host_indices))
         except BaseException:
-            self._settle(started)
+            with contextlib.suppress(Exception):  # the error going up is this one
+                self.finish_restore(started)
             raise
         return started
 
@@ -464,15 +467,6 @@ class CpL3Storage(HiCacheStorage):
         if error is not None:
             raise error
         return done or 0
-
-    def _settle(self, reads: RestoreReads) -> None:
-        """Finish started reads whose results nobody will use (each within its own bound)."""
-        for read in reads.reads:
-            if read.mine:
-                try:
-                    self.store.finish_read_pages(read.pending)
-                except Exception:  # noqa: BLE001  the caller raises its own error; the store has counted
-                    pass  # this one (a read timeout) or logged it (a fatal store: every later call raises)
 
     # ------------------------------------------------------------------ existence
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
