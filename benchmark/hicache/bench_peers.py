@@ -461,12 +461,29 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
+def switch_interval_ms(text: str) -> float:
+    """``--gil-switch-interval-ms``: 0 or a value the L3 config takes, checked here rather than at the
+    first cp-l3 tier's server start."""
+    from sglang_cp.l3.config import MAX_SWITCH_INTERVAL_MS, MIN_SWITCH_INTERVAL_MS
+
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds, e.g. 0.5") from None
+    if ms != 0 and not MIN_SWITCH_INTERVAL_MS <= ms <= MAX_SWITCH_INTERVAL_MS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: 0 (the interpreter's own) or {MIN_SWITCH_INTERVAL_MS}-{MAX_SWITCH_INTERVAL_MS} ms")
+    return ms
+
+
 def settings(args) -> peer_tiers.TierSettings:
     return peer_tiers.TierSettings(work_dir=args.work_dir, host_gb=args.hicache_size, disk_gb=args.disk_gb,
                                    free_port=harness.free_port, prefetch_policy=args.prefetch_policy,
                                    prefetch_threshold=args.prefetch_threshold,
                                    write_policy=args.write_policy, mem_layout=args.mem_layout,
-                                   io_threads=args.io_threads, mooncake_segment_gb=args.mooncake_segment_gb,
+                                   io_threads=args.io_threads,
+                                   gil_switch_interval_ms=args.gil_switch_interval_ms,
+                                   mooncake_segment_gb=args.mooncake_segment_gb,
                                    l3_toml=ttft.write_l3_toml)
 
 
@@ -619,6 +636,9 @@ def add_tier_args(p) -> None:
                    choices=["write_back", "write_through", "write_through_selective"])
     p.add_argument("--mem-layout", default="page_first", choices=["page_first", "layer_first", "page_first_direct"])
     p.add_argument("--io-threads", type=int, default=8, help="our L3's I/O threads")
+    p.add_argument("--gil-switch-interval-ms", type=switch_interval_ms, default=0.0, metavar="MS",
+                   help="our L3's io.gil_switch_interval_ms (default 0: the interpreter's 5 ms; the configuration "
+                        "guide sets 0.5 for drives faster than about 2 GB/s)")
     p.add_argument("--mooncake-segment-gb", type=float, default=4.0, help="Mooncake's DRAM segment, GB")
     p.add_argument("--mem-fraction", type=float, default=0.8, help="--mem-fraction-static of every server")
     p.add_argument("--attention-backend", default="triton", help="upstream's --attention-backend (fa3 on sm90)")

@@ -91,10 +91,13 @@ class TierSettings:
     write_policy: str = "write_through"
     mem_layout: str = "page_first"
     io_threads: int = 8
+    # our L3's io.gil_switch_interval_ms (0: the interpreter's own 5 ms); the docs set 0.5 for fast drives
+    gil_switch_interval_ms: float = 0.0
     mooncake_segment_gb: float = 4.0  # Mooncake's own DRAM segment (the SSD-offload guide's example)
     # upstream's prefetch_threshold for every HiCache storage tier alike (None: upstream's default, 256)
     prefetch_threshold: Optional[int] = None
-    l3_toml: Optional[Callable] = None  # bench_server_ttft.write_l3_toml (root, capacity_gb, threads, engine)
+    # bench_server_ttft.write_l3_toml (root, capacity_gb, threads, engine, switch_ms)
+    l3_toml: Optional[Callable] = None
 
     def dir(self, tier: str) -> str:
         return os.path.join(os.path.abspath(self.work_dir), tier)
@@ -304,7 +307,9 @@ def tier_ours(s: TierSettings, engine: str) -> Tier:
     threshold = _threshold(s)  # upstream's key, passed through --enable-cp-l3 into the config it declares
     args = _hicache(s) + ["--enable-cp-l3", "--cp-l3-config", cfg] + (_extra(threshold) if threshold else [])
     t = Tier(f"cp-l3-{engine}", args + ["--cp-l3-cold-start", "clear"],
-             f"sglang-cp L3 (--enable-cp-l3), io.read_engine = {engine!r}, {s.io_threads} I/O threads, slabs "
+             f"sglang-cp L3 (--enable-cp-l3), io.read_engine = {engine!r}, {s.io_threads} I/O threads, "
+             + (f"io.gil_switch_interval_ms = {s.gil_switch_interval_ms:g}, " if s.gil_switch_interval_ms else "")
+             + "slabs "
              f"preallocated to {s.disk_gb:g} GB in {root}/data (du counts them whole), backup_ack durable (data, "
              f"fdatasync, index commit before the ack), host pool {s.host_gb} GB, {_prefetch_how(s)}; "
              "cold start clear, restart load",
@@ -386,4 +391,4 @@ def prepare(tier: Tier, s: TierSettings) -> None:
             f.write(text)
     if tier.name.startswith("cp-l3-"):
         engine = tier.name[len("cp-l3-"):]
-        s.l3_toml(s.dir(tier.name), s.disk_gb, s.io_threads, engine)
+        s.l3_toml(s.dir(tier.name), s.disk_gb, s.io_threads, engine, s.gil_switch_interval_ms)

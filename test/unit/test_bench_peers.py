@@ -299,6 +299,22 @@ def test_probe_import_carries_the_exact_error_and_prepare_writes_private_configs
 
     cfg = load_l3_config(ours.args[ours.args.index("--cp-l3-config") + 1])
     assert cfg.io.read_engine == "python" and cfg.disks[0].path == ours.storage_dirs[0]
+    assert cfg.io.gil_switch_interval_ms == 0.0 and "gil_switch" not in ours.how
+
+
+def test_our_switch_interval_reaches_our_config_and_a_bad_one_is_refused_at_parse(tmp_path, capsys):
+    s = _settings(tmp_path, gil_switch_interval_ms=0.5)
+    ours = {t.name: t for t in tiers.all_tiers(s)}["cp-l3-uring"]
+    tiers.prepare(ours, s)
+    from sglang_cp.l3.config import load_l3_config
+
+    assert load_l3_config(ours.args[ours.args.index("--cp-l3-config") + 1]).io.gil_switch_interval_ms == 0.5
+    assert "io.gil_switch_interval_ms = 0.5" in ours.how
+    base = ["run", "--model", "small", "--workload", "storm", "--work-dir", str(tmp_path)]
+    assert bench.parser().parse_args(base + ["--gil-switch-interval-ms", "0.5"]).gil_switch_interval_ms == 0.5
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(base + ["--gil-switch-interval-ms", "0.01"])
+    assert "--gil-switch-interval-ms: '0.01': 0 (the interpreter's own) or 0.05-5.0 ms" in capsys.readouterr().err
 
 
 def test_du_cpu_and_side_service_helpers_on_real_files_and_processes(tmp_path):
