@@ -63,6 +63,7 @@ from benchmark.hicache import bench_server_ttft as ttft  # the shared harness: m
 from benchmark.hicache import peer_report, peer_tiers
 from benchmark.hicache.peer_tiers import du_bytes  # bytes a tier's storage holds
 from benchmark.hicache import peer_workloads as wl
+from benchmark.support import page_cache  # what of a tier's storage the page cache holds
 from benchmark.support import server_process as harness  # the real-server harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -354,7 +355,14 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     log(f"[{tier.name}] {len(ok)}/{len(rows)} answered in {wall:.1f} s; tokens served from "
         + ", ".join(f"{k} {v:,}" for k, v in served.items()))
     fs = peer_tiers.fs_use(tier.storage_dirs[0]) if tier.storage_dirs else None
-    return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "du": du_bytes(tier.storage_dirs),
+    du = du_bytes(tier.storage_dirs)
+    cached = page_cache.resident_bytes(tier.storage_dirs) if tier.storage_dirs else None
+    if tier.storage_dirs:
+        log(f"[{tier.name}] storage {du['allocated'] / GB:.2f} GB on disk, "
+            + ("page cache not measurable here" if cached is None else
+               f"{cached['resident'] / GB:.2f} GB of it in the page cache"
+               + (f" ({cached['unread']} files not readable)" if cached["unread"] else "")))
+    return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "du": du, "page_cache": cached,
             "fs_used_pct": None if fs is None else fs["used_pct"],
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,

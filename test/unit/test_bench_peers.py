@@ -406,6 +406,15 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
 
 
+def test_report_puts_the_page_cache_share_of_a_tiers_storage_beside_its_disk_bytes(tmp_path):
+    res = synthetic_result()
+    res["tiers"][1]["phases"]["restart"]["page_cache"] = {"resident": 1.5e9, "files": 3, "unread": 0}
+    md = report.write_report(res, str(tmp_path)) and (tmp_path / "peers.md").read_text()
+    assert "| disk GB (in page cache) |" in md
+    assert "| 2.00 (1.50) | 12.5 + 0.0 | 1 / 3 |" in md  # ours' restart
+    assert "| 2.00 | 12.5 + 0.0 | 0 / 4 |" in md  # ours' replay, saved without the figure: du alone
+
+
 def test_report_says_where_the_time_to_first_token_went(tmp_path):
     """Per tier and phase, medians and means of upstream's per-request queue time and the part of it spent
     waiting for the storage prefetch or its staging; no table for runs whose rows lack them."""
