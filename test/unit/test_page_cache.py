@@ -64,10 +64,11 @@ def test_an_odirect_file_is_not_in_the_page_cache_and_a_tail_counts_to_its_end(d
     assert got == {"resident": mmap.PAGESIZE + 100, "files": 2, "unread": 0}
 
 
-def test_what_it_cannot_read_is_said_not_hidden(tmp_path_factory):
+def test_what_it_cannot_read_is_said_not_hidden():
     """A file and a directory the measuring process may not read each count in ``unread``. Run as an
     unprivileged user (root reads everything): in a child that drops to ``nobody`` when this is root."""
-    base = tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp().parent.parent)  # a parent nobody can enter
+    # the system temp dir: every user may enter it (pytest's own base is 0700 root's, xdist's one deeper)
+    base = tempfile.mkdtemp(dir=tempfile.gettempdir())
     os.chmod(base, 0o755)
     try:
         d = os.path.join(base, "t")
