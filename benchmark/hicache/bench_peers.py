@@ -46,6 +46,7 @@ except ``run``.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shlex
@@ -54,6 +55,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 if not __package__:  # run as a file: the repository root is not on sys.path, so benchmark.* is not importable
@@ -108,7 +110,8 @@ def build_workload(args, model_dir: str) -> tuple:
                 f"(seed {args.seed}), {args.doc_tokens}+{args.suffix_tokens} tokens, {args.concurrency} clients, "
                 f"working set {ws / GB:.1f} GB vs pools {(args.device_tokens * bpt) / GB + args.hicache_size:.1f} GB")
         args.loop = "closed"
-        note = wl.device_pool_note(args.device_tokens, args.concurrency, args.doc_tokens + args.suffix_tokens)
+        note = wl.device_pool_note(args.device_tokens, args.concurrency, args.doc_tokens + args.suffix_tokens,
+                                   args.max_new_tokens or 1, ttft.PAGE)
         if note:
             desc += f"; {note}"
     for note in pool_notes(args, model_dir, prompts):
@@ -181,8 +184,11 @@ class RunningService:
         self.log = open(log_path, "ab")
         self.log.write(("\n$ " + shlex.join(svc.argv) + "\n").encode())
         self.log.flush()
+        # its own process group (stop() signals the group), and dead with the harness: a harness killed
+        # at a call's time limit must not leave a Mooncake master or an LMCache server holding its DRAM
         self.proc = subprocess.Popen(svc.argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **svc.env}, start_new_session=True)
+                                     env={**os.environ, **svc.env}, start_new_session=True,
+                                     preexec_fn=harness._die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -192,8 +198,8 @@ class RunningService:
                 raise harness.ServerStartError(f"{svc.name} exited with {self.proc.returncode}:\n{tail}")
             with socket.socket() as s:
                 s.settimeout(1.0)
-                if s.connect_ex(("127.0.0.1", svc.port)) == 0:
-                    return
+                if s.connect_ex(("127.0.0.1", svc.port)) == 0 and self.proc.poll() is None:
+                    return  # listening, and still ours (not another process on a port picked earlier)
             time.sleep(0.3)
         self.stop()
         raise harness.ServerStartError(f"{svc.name} did not listen on port {svc.port} within {timeout_s:.0f} s")
@@ -286,22 +292,34 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
             row.update(ttft_s=r.ttft_s, latency_s=r.latency_s, device=r.device_tokens, host=r.host_tokens,
                        storage=r.storage_tokens, cached=r.meta_info.get("cached_tokens"), output_ids=r.output_ids,
                        **time_split(r.meta_info))
-        except (OSError, RuntimeError, ValueError) as e:  # HTTP, stream and JSON failures: the row says which
+        except Exception as e:  # HTTP, stream, JSON or any other failure of one request: its row says which
             row.update(error=f"{type(e).__name__}: {e}"[:500], latency_s=time.monotonic() - t0 - sent)
         rows[i] = row
 
+    def pool(n: int) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max(1, n))
+
+    # A run stopped meanwhile (SIGTERM at a call's limit: SystemExit here) cancels the requests not yet
+    # sent instead of sending them all first; the ones in flight end when the caller stops the server.
     if loop == "closed":
-        with ThreadPoolExecutor(max(1, concurrency)) as ex:
+        ex = pool(concurrency)
+        try:
             list(ex.map(one, range(len(prompts))))
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)
     elif loop == "sessions":  # each client replays one conversation at a time, a turn after the last one's answer
         def session(turns: list) -> None:
             for i in turns:
                 one(i)
 
-        with ThreadPoolExecutor(max(1, concurrency)) as ex:
+        ex = pool(concurrency)
+        try:
             list(ex.map(session, conversation_turns(prompts)))
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)
     else:
-        with ThreadPoolExecutor(max(1, max_inflight)) as ex:
+        ex = pool(max_inflight)
+        try:
             futures = []
             for i, p in enumerate(prompts):
                 delay = t0 + p.at_s - time.monotonic()
@@ -309,7 +327,9 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
                     time.sleep(delay)
                 futures.append(ex.submit(one, i))
             for f in futures:
-                f.result()  # a bug in one() fails the run here instead of leaving a hole in the rows
+                f.result()
+        finally:
+            ex.shutdown(wait=False, cancel_futures=True)
     return rows, time.monotonic() - t0
 
 
@@ -318,7 +338,7 @@ def storage_counters(srv):
     ``/metrics``, or None when it cannot be read (the row then says nothing, rather than zeros)."""
     try:
         text = srv.metrics_text(timeout_s=10)
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
     by_label: dict = {None: harness.parse_metrics(text)}
     out = {}
@@ -336,9 +356,36 @@ def counter_deltas(before, after):
 
 
 COUNTER_SETTLE_S = 2.0  # our L3 counters reach /metrics from a 1 s publisher thread
-# Before a storage tier's server stops, every tier alike gets this long (off the clock) to put its last
-# pages on its disk: Mooncake's offload runs on its heartbeat (1 s here), a backup thread drains its queue.
+# Before a storage tier's server stops, every tier alike gets at least this long (off the clock) to put its
+# last pages on its disk (Mooncake's offload runs on its heartbeat, 1 s here), and then as long as its
+# backups still move (upstream's backed-up tokens, our L3 page writes), up to STORAGE_SETTLE_MAX_S: a
+# slower writer's backlog is written, not counted as lost at the restart.
 STORAGE_SETTLE_S = 5.0
+STORAGE_SETTLE_MAX_S = 60.0
+SETTLE_POLL_S = 2.0
+BACKUP_PROGRESS = ("sglang:backuped_tokens_total", "sglang:cp_l3_spill_pages_total")
+
+
+def settle(srv, tier: peer_tiers.Tier) -> float:
+    """Wait, off the clock, until the phase's counters are on /metrics and a storage tier's backups have
+    stopped moving (at least STORAGE_SETTLE_S, at most STORAGE_SETTLE_MAX_S); the seconds waited."""
+    t0 = time.monotonic()
+    time.sleep(COUNTER_SETTLE_S)
+    if not tier.storage:
+        return time.monotonic() - t0
+
+    def progress():
+        c = storage_counters(srv)
+        return None if c is None else tuple(c.get(k) for k in BACKUP_PROGRESS)
+
+    last = progress()
+    while time.monotonic() - t0 < STORAGE_SETTLE_MAX_S:
+        time.sleep(SETTLE_POLL_S)
+        now = progress()
+        if time.monotonic() - t0 >= STORAGE_SETTLE_S and now == last:
+            break
+        last = now
+    return time.monotonic() - t0
 
 
 def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args) -> dict:
@@ -347,8 +394,8 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
     counters0 = storage_counters(srv)
     rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
-    cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)
-    time.sleep(max(COUNTER_SETTLE_S, STORAGE_SETTLE_S if tier.storage else 0.0))
+    settled = settle(srv, tier)
+    cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)  # after the settle: the backups' work is charged too
     counters = counter_deltas(counters0, storage_counters(srv))
     ok = [r for r in rows if not r.get("error")]
     served = {k: sum(r[k] for r in ok) for k in ("storage", "host", "device")}
@@ -362,7 +409,8 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
             + ("page cache not measurable here" if cached is None else
                f"{cached['resident'] / GB:.2f} GB of it in the page cache"
                + (f" ({cached['unread']} files not readable)" if cached["unread"] else "")))
-    return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "du": du, "page_cache": cached,
+    return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "settle_s": settled, "du": du,
+            "page_cache": cached,
             "fs_used_pct": None if fs is None else fs["used_pct"],
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,
@@ -401,8 +449,17 @@ def server_env(tier: peer_tiers.Tier, args, base: dict) -> dict:
     return env
 
 
+def start_services(tier: peer_tiers.Tier, args, into: list) -> None:
+    """Start the tier's side services in order, each appended to ``into`` once running, so the caller's
+    cleanup stops every one that started even when a later one fails."""
+    for x in tier.services:
+        into.append(RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"), args.service_timeout))
+
+
 def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, tokens, args, model: str,
-             model_flags: list, common: dict, base_env: dict) -> dict:
+             model_flags: list, common: dict, base_env: dict, saved=lambda rec: None) -> dict:
+    """One tier: replay, then (storage tiers) restart, each phase handed to ``saved`` once measured. Any
+    failure ends the tier with an error row, never the run; its services stop and its storage goes."""
     rec = {"name": tier.name, "how": tier.how, "env": tier.env, "services": [x.argv for x in tier.services],
            "error": tier.error, "needs": tier.needs, "phases": {}}
     if tier.error:
@@ -412,39 +469,48 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
     if tier.storage_dirs:
         fs = peer_tiers.fs_use(tier.storage_dirs[0])
         rec["fs_at_start"] = fs
-        warning = peer_tiers.cleaner_warning(tier, fs, s.disk_gb * GB)
+        band, warning = peer_tiers.cleaner_band(tier, fs, s.disk_gb * GB)
+        if band:
+            peer_tiers.with_extra_config(tier, band)
+            rec["cleaner_band_pct"] = band
+            log(f"[{tier.name}] its cleaner's band on this filesystem: {band}")
         if warning:
             rec["warnings"] = [warning]
             log(f"[{tier.name}] WARNING {warning}")
+    if args.drop_caches and tier.services and tier.storage and not args.restart_services:
+        note = (f"{tier.name}: its side services keep their DRAM across the restart (no --restart-services): "
+                "the dropped page cache is not a host restart for this tier")
+        rec.setdefault("warnings", []).append(note)
+        log(f"[{tier.name}] WARNING {note}")
     env = server_env(tier, args, base_env)
     services: list = []
+    warm_tokens = max(p.output_tokens for p in prompts)  # decode compiles off the clock too
 
     def server(flags, tag):
         return harness.ServerProcess(model, model_flags + flags, env=env,
                                      log_path=os.path.join(args.out_dir, f"{tier.name}-{tag}.log"), **common)
 
     try:
-        services = [RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"), args.service_timeout)
-                    for x in tier.services]
+        start_services(tier, args, services)
         srv = server(tier.args, "replay")
         rec["command"] = srv.command()
         srv.start()
         try:
             warm = wl.BlockTokens(64, tokens.vocab, seed=tokens.seed + 1)
-            srv.generate(warm.prompt(wl.Prompt(("warm/0", "warm/1"), 128, 1)), 1)  # kernels compiled, off the clock
+            srv.generate(warm.prompt(wl.Prompt(("warm/0", "warm/1"), 128, 1)), warm_tokens)  # off the clock
             rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args)
         finally:
             srv.stop()
+        saved(rec)
         if "restart" in args.phases and not tier.storage:
             # No storage: a restarted server starts empty, which the replay phase (a fresh server) measured.
             log(f"[{tier.name}] restart: not run (no storage; a restarted server is the replay's fresh one)")
         elif "restart" in args.phases:
             rec["restart_services"] = bool(args.restart_services)
             if args.restart_services:
-                for x in services:
-                    x.stop()
-                services = [RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"),
-                                           args.service_timeout) for x in tier.services]
+                while services:
+                    services.pop().stop()
+                start_services(tier, args, services)
             if args.drop_caches:
                 rec["restart_drop_caches"] = drop_page_cache()
                 log(f"[{tier.name}] page cache before the restart: {rec['restart_drop_caches']}")
@@ -458,6 +524,10 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
     except harness.ServerStartError as e:
         rec["error"] = "did not start: " + str(e).splitlines()[0]
         rec["log"] = str(e)[-3000:]
+        log(f"[{tier.name}] {rec['error']}")
+    except Exception as e:  # one tier's failure is its row; the run goes on to the next tier
+        rec["error"] = f"failed: {type(e).__name__}: {e}"[:500]
+        rec["log"] = traceback.format_exc()[-3000:]
         log(f"[{tier.name}] {rec['error']}")
     finally:
         for x in services:
@@ -538,6 +608,47 @@ def write_private_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
 
 
+def _terminated(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def machine() -> dict:
+    """What the run ran on and at which code, so runs merged into one table can be checked for it: the
+    GPU (nvidia-smi), the host, the git commit when the checkout has one, a digest of the product and
+    benchmark sources (a copy without .git still says which code), and the serving packages' versions."""
+    import hashlib
+    import importlib.metadata as md
+    import platform
+
+    def run(cmd):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=REPO)
+            return out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    digest = hashlib.sha256()
+    for sub in ("python/sglang_cp", "benchmark"):
+        for dirpath, dirs, names in sorted(os.walk(os.path.join(REPO, sub))):
+            dirs.sort()
+            for n in sorted(names):
+                if n.endswith((".py", ".c", ".toml")):
+                    path = os.path.join(dirpath, n)
+                    digest.update(os.path.relpath(path, REPO).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        digest.update(f.read())
+    versions = {}
+    for pkg in ("sglang", "torch", "sglang-cp", "nixl", "mooncake-transfer-engine", "lmcache"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            continue
+    gpu = run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    return {"gpu": gpu.splitlines()[0] if gpu else None, "host": platform.node(),
+            "commit": run(["git", "rev-parse", "--short", "HEAD"]), "source_digest": digest.hexdigest()[:16],
+            "versions": versions}
+
+
 def cmd_run(args) -> int:
     model = ttft.MODELS.get(args.model, args.model)
     if args.workload == "storm" and not args.device_tokens:
@@ -566,7 +677,11 @@ def cmd_run(args) -> int:
               "tiers": []}
     log(f"{desc}; ideal token hit ratio {result['ideal']['replay']['token_ratio']:.3f} "
         f"(restart {result['ideal']['restart']['token_ratio']:.3f})")
+    result["meta"]["machine"] = machine()
     out_json = os.path.join(args.out_dir, "peers.json")
+    # A call's time limit (timeout's SIGTERM) ends the run through every cleanup (servers, side services,
+    # storage) instead of killing it where it stands; what was measured by then is already saved.
+    signal.signal(signal.SIGTERM, _terminated)
     if args.warm_up and any(not t.error for t in tiers):
         try:
             result["meta"]["warm_up"] = warm_up(prompts, tokens, args, model, flags, common, base_env)
@@ -574,8 +689,12 @@ def cmd_run(args) -> int:
             result["meta"]["warm_up"] = {"error": "did not start: " + str(e).splitlines()[0]}
             log(f"[warm-up] {result['meta']['warm_up']['error']}")
     for tier in tiers:
-        result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env))
+        def saved(rec, done=list(result["tiers"])):  # a tier's finished phases, saved before its next one
+            write_private_json(out_json, {**result, "tiers": done + [rec]})
+
+        result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env, saved))
         write_private_json(out_json, result)
+        peer_report.write_report(result, args.out_dir)  # the table so far, should the run be stopped
     for path in peer_report.write_report(result, args.out_dir):
         log(f"wrote {path}")
     print(open(os.path.join(args.out_dir, "peers.md")).read(), flush=True)

@@ -168,7 +168,7 @@ def shortfall(result: dict, phase: str, rows: list):
     return {"in_flight": in_flight, "lost": lost, "lost_short": lost_short}
 
 
-COLD = " (cold page cache)"
+COLD = " (restart on a cold page cache)"  # on both of its rows: the replay ran as any other
 
 # Tiers whose DRAM tier lives in a side service, not in the SGLang server (bench_peers keeps side services
 # across a restart unless --restart-services).
@@ -354,9 +354,18 @@ def markdown(result: dict, rows: list) -> str:
         parts += ["Storage counters from each server's `/metrics` (deltas over the phase; tokens unless named "
                   "pages; upstream's HiCache controller counts the same for every storage backend):", "",
                   counters, ""]
+    m = meta.get("machine") or {}
+    if m:
+        parts += [f"Machine: {m.get('gpu') or 'GPU unknown'} on {m.get('host')}; code "
+                  + (f"{m['commit']}, " if m.get("commit") else "") + f"sources {m.get('source_digest')}; "
+                  + ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items())) + ".", ""]
     if len(meta.get("runs") or ()) > 1:
+        warm = meta.get("warm_up_per_run") or []
         parts += [f"Tiers measured in {len(meta['runs'])} consecutive runs at the same code and settings "
-                  f"(started {', '.join(str(x) for x in meta['runs'])}).", ""]
+                  f"(started {', '.join(str(x) for x in meta['runs'])})"
+                  + ("" if not warm or all(warm) else
+                     "; runs without a warm-up server: " + ", ".join(str(k + 1) for k, w in enumerate(warm) if not w))
+                  + ".", ""]
     if any("mode_ok" in r for r in rows):
         parts += ["First token = the prompt's most frequent token (KV-sensitive weights): " + ", ".join(
             f"{r['tier']} {r['phase']} {r['mode_ok']}/{r['mode_checked']}" for r in rows if "mode_ok" in r), ""]
@@ -483,6 +492,9 @@ def run_settings(meta: dict):
     return {k: v for k, v in ns.items() if k not in ARGV_MAY_DIFFER}
 
 
+MACHINE_SAME = ("gpu", "source_digest")  # bench_peers.machine(): what runs merged into one table must share
+
+
 def merge(results: list) -> dict:
     """One result from runs of the same workload and settings, each holding some of the tiers (a tier
     given twice keeps its last run; a restart on a dropped page cache is its own row). Raises ValueError
@@ -498,6 +510,11 @@ def merge(results: list) -> dict:
         for k in ("ideal", "prompts"):
             if r[k] != base[k]:
                 raise ValueError(f"result {i}: {k} differs from the first's; merge only runs of one workload")
+        for k in MACHINE_SAME:  # runs saved before they recorded their machine are not checked
+            m, f = (r["meta"].get("machine") or {}).get(k), (base["meta"].get("machine") or {}).get(k)
+            if m is not None and f is not None and m != f:
+                raise ValueError(f"result {i}: machine.{k} = {m!r} differs from the first's {f!r}; merge only "
+                                 "runs on one kind of GPU at the same code (run the other tiers again there)")
         mine, first = run_settings(r["meta"]), run_settings(base["meta"])
         if mine is not None and first is not None and mine != first:
             k = next(k for k in sorted(set(mine) | set(first)) if mine.get(k) != first.get(k))
@@ -511,6 +528,7 @@ def merge(results: list) -> dict:
             tiers[label(t)] = t
     meta = dict(base["meta"])
     meta["runs"] = [x for r in results for x in (r["meta"].get("runs") or [r["meta"].get("started")])]  # a merged input keeps its runs
+    meta["warm_up_per_run"] = [bool(r["meta"].get("warm_up")) for r in results]
     return {**base, "meta": meta, "tiers": list(tiers.values())}
 
 

@@ -117,8 +117,11 @@ def _hicache(s: TierSettings) -> list:
             "--hicache-write-policy", s.write_policy, "--hicache-storage-prefetch-policy", s.prefetch_policy]
 
 
+EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+
+
 def _extra(cfg: dict) -> list:
-    return ["--hicache-storage-backend-extra-config", json.dumps(cfg, separators=(",", ":"))]
+    return [EXTRA_FLAG, json.dumps(cfg, separators=(",", ":"))]
 
 
 def _threshold(s: TierSettings) -> dict:
@@ -143,10 +146,15 @@ def tier_hicache_l2(s: TierSettings) -> Tier:
 def tier_file(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("file"), "kv")
     cap = int(s.disk_gb * GB)
+    # eviction_ratio: where its evictor evicts down to once a write would pass the cap (default 0.9); our
+    # band's low end. Its trigger is the cap itself (not settable): it fills to 100 % where the others
+    # start evicting at 90 %.
     args = _hicache(s) + ["--hicache-storage-backend", "file"] + _extra({"file_storage_path": d, "max_size": cap,
+                                                                         "eviction_ratio": EVICT_LOW,
                                                                          **_threshold(s)})
-    return Tier("file", args, f"upstream HiCacheFile in {d}, LRU evictor capped at {cap} B (extra config max_size), "
-                f"host pool {s.host_gb} GB, {_prefetch_how(s)}; page files through the page cache, no fsync",
+    return Tier("file", args, f"upstream HiCacheFile in {d}, LRU evictor capped at {cap} B (extra config max_size; "
+                f"at the cap it evicts down to {EVICT_LOW:.0%}), host pool {s.host_gb} GB, {_prefetch_how(s)}; page "
+                "files through the page cache, no fsync",
                 storage_dirs=[d])
 
 
@@ -155,11 +163,15 @@ NIXL_CLEANER_HIGH_PCT = 80.0  # nixl_utils.get_l3_cleaner_config's default high 
 
 def tier_nixl(s: TierSettings) -> Tier:
     d = os.path.join(s.dir("nixl"), "kv")
-    args = _hicache(s) + ["--hicache-storage-backend", "nixl"] + _extra({"use_direct_io": True, **_threshold(s)})
+    # use_uring: upstream's README and nixl.config.toml.sample recommend it for the POSIX plugin ("io_uring
+    # for async I/O, recommended if supported"); a flat key upstream passes to the plugin as it is
+    args = (_hicache(s) + ["--hicache-storage-backend", "nixl"]
+            + _extra({"use_direct_io": True, "use_uring": "true", **_threshold(s)}))
     env = {"SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX", "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": d}
-    t = Tier("nixl", args, f"upstream HiCacheNixl, POSIX plugin, O_DIRECT, files in {d}; no byte cap (upstream's "
-             f"L3 cleaner keeps the filesystem under {NIXL_CLEANER_HIGH_PCT:g} % full, down to 70 %), host pool "
-             f"{s.host_gb} GB, {_prefetch_how(s)}", env=env, storage_dirs=[d],
+    t = Tier("nixl", args, f"upstream HiCacheNixl, POSIX plugin, O_DIRECT, io_uring, files in {d}; no byte cap: "
+             f"upstream's L3 cleaner deletes its files once their filesystem is {NIXL_CLEANER_HIGH_PCT:g} % full, "
+             f"down to 70 % (at run time set to the disk budget's 90 % -> 85 % band), host pool {s.host_gb} GB, "
+             f"{_prefetch_how(s)}", env=env, storage_dirs=[d],
              cleaner_high_pct=NIXL_CLEANER_HIGH_PCT)
     t.error = probe_import("nixl._api")
     if t.error:
@@ -254,6 +266,9 @@ def tier_mooncake_standalone(s: TierSettings) -> Tier:
         services=[master, client], storage_dirs=[d]), ("mooncake_master", "mooncake_client"))
 
 
+LMCACHE_L1_EVICTION_RATIO = 0.05
+
+
 def tier_lmcache(s: TierSettings) -> Tier:
     root = s.dir("lmcache")
     d = os.path.join(root, "fs")
@@ -267,15 +282,20 @@ def tier_lmcache(s: TierSettings) -> Tier:
                "eviction": {"eviction_policy": "LRU", "trigger_watermark": EVICT_HIGH,
                             "eviction_ratio": round(EVICT_HIGH - EVICT_LOW, 6)}}
     quiet = {"LMCACHE_TRACK_USAGE": "false"}  # its usage reports go to a public host: none from a benchmark
+    # --l1-size-gb is GiB to LMCache (size_in_bytes = gb << 30): the host pool's bytes, as HiCache sizes its
+    # pool in 10^9 B. Its L1 evicts at its default 80 % trigger; --eviction-ratio 0.05 (default 0.2 of the
+    # keys) keeps it near that, not cycling down to 64 %.
+    l1_gib = s.host_gb * GB / GIB
     server = Service("lmcache server", ["lmcache", "server", "--host", "127.0.0.1", "--port", str(port),
-                                        "--l1-size-gb", str(s.host_gb), "--eviction-policy", "LRU",
+                                        "--l1-size-gb", f"{l1_gib:.6f}", "--eviction-policy", "LRU",
+                                        "--eviction-ratio", f"{LMCACHE_L1_EVICTION_RATIO:g}",
                                         "--l2-adapter", json.dumps(adapter, separators=(",", ":"))], port,
                      env=quiet)
     yaml = os.path.join(root, "lmcache.yaml")
     t = Tier("lmcache", ["--enable-lmcache", "--lmcache-config-file", yaml],
-             f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM (LRU) in place of HiCache's "
-             f"host pool (--enable-lmcache excludes --enable-hierarchical-cache; L1 evicts at LMCache's default "
-             f"80 % watermark), fs_native L2 adapter in {d} ({s.io_threads} workers, O_DIRECT) capped at "
+             f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM ({l1_gib:.3f} GiB, LRU) in "
+             f"place of HiCache's host pool (--enable-lmcache excludes --enable-hierarchical-cache; L1 evicts at "
+             f"LMCache's default 80 % trigger, {LMCACHE_L1_EVICTION_RATIO:g} of its keys at a time), fs_native L2 adapter in {d} ({s.io_threads} workers, O_DIRECT) capped at "
              f"{s.disk_gb:g} GB ({cap_gib:.3f} GiB, LRU from 90 % to 85 %); its own prefetch (no "
              f"--hicache-storage-prefetch-policy"
              + ("" if s.prefetch_threshold is None else " or prefetch threshold") + ")",
@@ -341,18 +361,32 @@ def fs_use(path: str) -> Optional[dict]:
     return {"total": total, "available": avail, "used_pct": 100.0 * (total - avail) / total if total else 0.0}
 
 
-def cleaner_warning(tier: Tier, fs: Optional[dict], budget_bytes: float) -> Optional[str]:
-    """One line when the tier would delete its own files during the run: its filesystem in use plus the
-    storage budget every tier may write reaches the tier's cleaner watermark (files other than the tier's
-    own count: earlier tiers' storage, the model, anything on that disk)."""
+def cleaner_band(tier: Tier, fs: Optional[dict], budget_bytes: float) -> tuple:
+    """(extra-config keys, warning) for a tier whose cleaner deletes its own files once their *filesystem*
+    is a percent full (nixl's L3 cleaner; (None, None) for any other tier): the disk budget's eviction band
+    (``EVICT_HIGH`` -> ``EVICT_LOW`` of ``budget_bytes``, as our GC and the other peers evict) in the
+    filesystem's terms at the tier's start. Left at its defaults (80 -> 70 %), a disk other files already
+    keep near 80 % full would have it delete every file it writes each tick: a handicap, not the tier.
+    The warning says when the budget does not fit the filesystem (the band is then capped below 100 %)."""
     if tier.cleaner_high_pct is None or fs is None or not fs["total"]:
-        return None
-    after = fs["used_pct"] + 100.0 * budget_bytes / fs["total"]
-    if after < tier.cleaner_high_pct:
-        return None
-    return (f"{tier.name}: its filesystem is {fs['used_pct']:.0f} % used and the {budget_bytes / 1e9:g} GB budget "
-            f"would take it to {after:.0f} %, past the {tier.cleaner_high_pct:g} % at which its cleaner deletes "
-            "its own files (a handicap, not a property of the tier): free that disk or use another --work-dir")
+        return None, None
+    share = 100.0 * budget_bytes / fs["total"]
+    high, low = fs["used_pct"] + EVICT_HIGH * share, fs["used_pct"] + EVICT_LOW * share
+    warning = None
+    if high >= 99.0:
+        warning = (f"{tier.name}: its filesystem is {fs['used_pct']:.0f} % used and the {budget_bytes / 1e9:g} GB "
+                   f"budget does not fit it (the cleaner's band would end at {high:.0f} %): it will delete its own "
+                   "files early (a handicap, not a property of the tier): free that disk or use another --work-dir")
+        high, low = 99.0, min(low, 98.0)
+    return {"l3_cleaner_high_watermark": round(high, 2), "l3_cleaner_low_watermark": round(low, 2)}, warning
+
+
+def with_extra_config(tier: Tier, keys: dict) -> None:
+    """Merge ``keys`` into the tier's ``--hicache-storage-backend-extra-config`` (replay and restart)."""
+    for args in (tier.args, tier.restart_args):
+        if args and EXTRA_FLAG in args:
+            i = args.index(EXTRA_FLAG) + 1
+            args[i] = json.dumps({**json.loads(args[i]), **keys}, separators=(",", ":"))
 
 
 def du_bytes(paths: list) -> dict:

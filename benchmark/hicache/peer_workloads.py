@@ -356,17 +356,20 @@ def storm_docs_needed(device_tokens: int, host_bytes: int, kv_bytes_per_token: i
     return max(2, math.ceil(over * pools / (doc_tokens * kv_bytes_per_token)))
 
 
-def device_pool_note(device_tokens: int, concurrency: int, prompt_tokens: int) -> str | None:
-    """None when the device pool holds every client's prompt at once; else one line on what upstream does
-    then. A queued request's matched device prefix is evicted by the running ones before it is admitted;
-    upstream re-issues its storage lookup each time that prefix shrinks and, after
-    ``hicache_storage_prefetch_retry_max_attempts``, admits it without storage: recomputed tokens that no
-    storage tier could have served, whatever it holds."""
-    need = concurrency * prompt_tokens
+def device_pool_note(device_tokens: int, concurrency: int, prompt_tokens: int, output_tokens: int = 1,
+                     page_tokens: int = 64) -> str | None:
+    """None when the device pool holds every client's request at once (its prompt and its output, in whole
+    pages: what a running request takes); else one line on what upstream does then. A queued request's
+    matched device prefix is evicted by the running ones before it is admitted; upstream re-issues its
+    storage lookup each time that prefix shrinks and, after ``hicache_storage_prefetch_retry_max_attempts``,
+    admits it without storage: recomputed tokens that no storage tier could have served, whatever it holds."""
+    per_request = -(-(prompt_tokens + output_tokens) // page_tokens) * page_tokens
+    need = concurrency * per_request
     if device_tokens >= need:
         return None
-    return (f"--device-tokens {device_tokens} holds {device_tokens // prompt_tokens} of the {concurrency} clients' "
-            f"{prompt_tokens}-token prompts: queued requests lose their device prefix before admission and upstream "
+    return (f"--device-tokens {device_tokens} holds {device_tokens // per_request} of the {concurrency} clients' "
+            f"{prompt_tokens}-token prompts (with their {output_tokens} output tokens, {per_request} tokens in pages "
+            f"of {page_tokens}): queued requests lose their device prefix before admission and upstream "
             f"admits some without storage after its re-issue cap (recomputed, on every tier); "
             f"--device-tokens {need} measures the storage tiers instead")
 

@@ -3,9 +3,11 @@ whole-conversation sampling, the ideal hit ratio on a hand-checked example, toke
 the open-loop schedule, every tier's real launch_server command line, and the report from a saved JSON.
 The GPU run itself (servers, requests) is not exercised here."""
 
+import inspect
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 import time
@@ -220,10 +222,18 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
 
     f = by["file"]
     assert cmd["file"][cmd["file"].index("--hicache-storage-backend") + 1] == "file"
-    assert _extra(f.args) == {"file_storage_path": f.storage_dirs[0], "max_size": 3 * 10**9}  # every cap in GB
+    # every cap in GB; at the cap its evictor evicts down to our band's low end (its trigger is the cap)
+    assert _extra(f.args) == {"file_storage_path": f.storage_dirs[0], "max_size": 3 * 10**9, "eviction_ratio": 0.85}
+    from sglang.srt.mem_cache.storage.file.lru_file_evictor import LRUFileEvictor
+
+    assert "eviction_ratio" in inspect.getsource(LRUFileEvictor._load_config)  # the key upstream reads
 
     n = by["nixl"]
-    assert _extra(n.args) == {"use_direct_io": True} and "nixl" in cmd["nixl"]
+    # io_uring, as upstream's README recommends for POSIX; a flat key upstream hands to the plugin
+    assert _extra(n.args) == {"use_direct_io": True, "use_uring": "true"} and "nixl" in cmd["nixl"]
+    from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlBackendConfig
+
+    assert NixlBackendConfig(_extra(n.args)).get_backend_initparams("POSIX") == {"use_uring": "true"}
     assert n.env == {"SGLANG_HICACHE_NIXL_BACKEND_PLUGIN": "POSIX",
                      "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": n.storage_dirs[0]}
 
@@ -257,7 +267,9 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
 
     lm = by["lmcache"]
     (srv,) = lm.services
-    assert srv.argv[:2] == ["lmcache", "server"] and srv.argv[srv.argv.index("--l1-size-gb") + 1] == "6"
+    # its L1 holds the host pool's bytes (6 GB = 5.588 GiB, LMCache's unit), evicting 5 % of its keys at a time
+    assert srv.argv[:2] == ["lmcache", "server"] and srv.argv[srv.argv.index("--l1-size-gb") + 1] == "5.587935"
+    assert srv.argv[srv.argv.index("--eviction-ratio") + 1] == "0.05"
     adapter = json.loads(srv.argv[srv.argv.index("--l2-adapter") + 1])
     # fs_native: the plain fs adapter reads no capacity; max_capacity_gb is GiB, enforced by the eviction block
     assert adapter == {"type": "fs_native", "base_path": lm.storage_dirs[0], "num_workers": 8, "use_odirect": True,
@@ -708,16 +720,20 @@ def test_storage_counters_from_a_servers_metrics_and_their_table(tmp_path):
 def test_a_storm_whose_device_pool_cannot_hold_its_clients_says_so():
     """The storm's description (logged and saved with the run) says when the device pool holds fewer of
     the clients' prompts than there are clients: upstream then admits some requests without storage."""
-    assert wl.device_pool_note(device_tokens=16 * 16640, concurrency=16, prompt_tokens=16640) is None
+    # a running request holds its prompt and its output in whole 64-token pages: 16,640 + 8 -> 16,704
+    assert wl.device_pool_note(device_tokens=16 * 16704, concurrency=16, prompt_tokens=16640, output_tokens=8) is None
+    note = wl.device_pool_note(device_tokens=16 * 16640, concurrency=16, prompt_tokens=16640, output_tokens=8)
+    assert note.startswith("--device-tokens 266240 holds 15 of the 16 clients' 16640-token prompts (with their 8 "
+                           "output tokens, 16704 tokens in pages of 64)")
     note = wl.device_pool_note(device_tokens=32768, concurrency=16, prompt_tokens=16640)
     assert note.startswith("--device-tokens 32768 holds 1 of the 16 clients' 16640-token prompts")
-    assert note.endswith("--device-tokens 266240 measures the storage tiers instead")
+    assert note.endswith("--device-tokens 267264 measures the storage tiers instead")
     model = bench.ttft.MODELS["small"]
     argv = ["run", "--model", "small", "--workload", "storm", "--doc-tokens", "16384", "--suffixes", "4",
             "--requests", "8", "--concurrency", "16", "--hicache-size", "2", "--kv-sensitive", "--work-dir", "unused"]
     _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "32768"]), model)
     assert "holds 1 of the 16 clients' 16640-token prompts" in desc
-    _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "266240"]), model)
+    _prompts, desc = bench.build_workload(bench.parser().parse_args(argv + ["--device-tokens", "267264"]), model)
     assert "clients' " not in desc and desc.startswith("storm: ")
 
 
@@ -855,9 +871,10 @@ def test_nixl_cleaner_watermark_is_upstreams_default():
         "enabled": True, "high_watermark": tiers.NIXL_CLEANER_HIGH_PCT, "low_watermark": 70.0}
 
 
-def test_storage_filesystem_use_cleaner_warning_and_freeing_on_real_files(tmp_path):
-    """A tier whose cleaner deletes its own files past a filesystem watermark (nixl) is warned about when
-    the disk it starts on, plus the budget, reaches it; each tier's storage is removed once it has run."""
+def test_storage_filesystem_use_cleaner_band_and_freeing_on_real_files(tmp_path):
+    """nixl's cleaner (which deletes its own files past a *filesystem* watermark) gets the disk budget's
+    90 -> 85 % band in the filesystem's terms at the tier's start, through the extra config upstream reads;
+    a budget the disk cannot hold is warned about; each tier's storage is removed once it has run."""
     fs = tiers.fs_use(str(tmp_path))
     du = shutil.disk_usage(tmp_path)
     assert fs["total"] == du.total and 0.0 <= fs["used_pct"] <= 100.0
@@ -866,11 +883,20 @@ def test_storage_filesystem_use_cleaner_warning_and_freeing_on_real_files(tmp_pa
 
     nixl = tiers.tier_nixl(_settings(tmp_path))
     assert nixl.cleaner_high_pct == 80.0 and tiers.tier_file(_settings(tmp_path)).cleaner_high_pct is None
-    half = {"total": 100e9, "available": 50e9, "used_pct": 50.0}
-    assert tiers.cleaner_warning(nixl, half, 16e9) is None  # 66 %: under the watermark
-    w = tiers.cleaner_warning(nixl, {"total": 100e9, "available": 35e9, "used_pct": 65.0}, 16e9)
-    assert w.startswith("nixl: its filesystem is 65 % used and the 16 GB budget would take it to 81 %, past the 80 %")
-    assert tiers.cleaner_warning(tiers.tier_file(_settings(tmp_path)), {**half, "used_pct": 99.0}, 16e9) is None
+    # a disk other files keep 81 % full (upstream's 80 % would have the cleaner delete every file it writes)
+    band, warning = tiers.cleaner_band(nixl, {"total": 270e9, "available": 51.6e9, "used_pct": 80.9}, 24e9)
+    assert warning is None
+    assert band == {"l3_cleaner_high_watermark": 88.9, "l3_cleaner_low_watermark": 88.46}  # 80.9 + 0.9 / 0.85 x 8.9
+    tiers.with_extra_config(nixl, band)
+    from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlBackendConfig
+
+    got = NixlBackendConfig(_extra(nixl.args)).get_l3_cleaner_config()
+    assert (got["high_watermark"], got["low_watermark"]) == (88.9, 88.46)  # what upstream's cleaner will use
+    assert NixlBackendConfig(_extra(nixl.args)).get_backend_initparams("POSIX") == {"use_uring": "true"}
+    band, warning = tiers.cleaner_band(nixl, {"total": 100e9, "available": 20e9, "used_pct": 80.0}, 24e9)
+    assert band["l3_cleaner_high_watermark"] == 99.0 and warning.startswith("nixl: its filesystem is 80 % used and "
+                                                                             "the 24 GB budget does not fit it")
+    assert tiers.cleaner_band(tiers.tier_file(_settings(tmp_path)), {"total": 1e9, "used_pct": 99.0}, 16e9) == (None, None)
 
     d = tmp_path / "work" / "nixl" / "kv"
     d.mkdir(parents=True)
@@ -988,3 +1014,155 @@ def test_a_restart_beside_dram_that_outlived_the_server_is_said_so():
     del lm["restart_services"]
     res["meta"]["argv"].append("--restart-services")  # a run saved before the record said so
     assert "ran on across the SGLang restart" not in report.markdown(res, report.summarize(res))
+
+
+FAILING_SERVER = FAKE_SERVER.replace(
+    '        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))',
+    '        self.rfile.read(int(self.headers["Content-Length"]))\n'
+    '        self.send_response(500)\n'
+    '        self.end_headers()\n'
+    '        return')
+
+
+def _tier_run_setup(tmp_path, monkeypatch, script_text):
+    script, seen = tmp_path / "fake_server.py", tmp_path / "seen.txt"
+    script.write_text(script_text)
+    procs, services = [], []
+
+    class Stand(bench.harness.ServerProcess):
+        def command(self):
+            return [sys.executable, str(script), str(self.port), str(seen), os.path.dirname(os.path.dirname(__file__))]
+
+        def spawn(self):
+            super().spawn()
+            procs.append(self.proc)
+            return self
+
+    class Recorded(bench.RunningService):
+        def __init__(self, *a, **kw):
+            services.append(self)  # before it starts: a service that fails to start is recorded too
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(bench.harness, "ServerProcess", Stand)
+    monkeypatch.setattr(bench, "RunningService", Recorded)
+    args = bench.parser().parse_args(["run", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path),
+                                      "--block-tokens", "64", "--concurrency", "2", "--service-timeout", "30"])
+    return args, procs, services
+
+
+def test_a_tier_that_fails_midway_is_an_error_row_and_everything_it_started_stops(tmp_path, monkeypatch):
+    """run_tier on the harness's real process lifecycle: a server whose first request fails (500) ends the
+    tier with an error row, not the run; its side service is stopped and its storage removed. A second
+    service that fails to start leaves the first one stopped too."""
+    args, procs, services = _tier_run_setup(tmp_path, monkeypatch, FAILING_SERVER)
+    s = _settings(tmp_path)
+    port = bench.harness.free_port()
+    http = tiers.Service("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port)
+    store = tmp_path / "work" / "t" / "kv"
+    tier = tiers.Tier("t", [], "a stand-in", services=[http], storage_dirs=[str(store)])
+    prompts = [wl.Prompt(("d0",), 128, 2)]
+    tokens = wl.BlockTokens(64, 1000, seed=0)
+    saved = []
+    rec = bench.run_tier(tier, s, prompts, tokens, args, "unused-model", [], {"startup_timeout_s": 60}, {},
+                         saved=saved.append)
+    assert rec["error"].startswith("failed: RuntimeError") and "Traceback" in rec["log"]
+    assert rec["phases"] == {} and saved == []  # nothing measured, nothing claimed
+    (proc,) = procs
+    assert proc.poll() is not None  # the server stopped
+    assert [x.proc.returncode is not None for x in services] == [True]  # the service too
+    assert not store.exists()  # and its storage removed
+
+    args.drop_caches = True  # a "cold" restart beside side services that keep their DRAM is said to be one
+    rec = bench.run_tier(tier, s, prompts, tokens, args, "unused-model", [], {"startup_timeout_s": 60}, {})
+    assert any("keep their DRAM across the restart (no --restart-services)" in w for w in rec["warnings"])
+    args.drop_caches = False
+
+    dead = tiers.Service("dead", [sys.executable, "-c", "raise SystemExit(3)"], bench.harness.free_port())
+    tier = tiers.Tier("t2", [], "a stand-in", services=[http, dead], storage_dirs=[str(store)])
+    services.clear()
+    rec = bench.run_tier(tier, s, prompts, tokens, args, "unused-model", [], {"startup_timeout_s": 60}, {})
+    assert rec["error"].startswith("did not start: dead exited with 3")
+    first, second = services
+    assert first.proc.returncode is not None and second.proc.returncode == 3  # nothing left running
+
+
+def test_a_stopped_run_sends_no_more_requests(monkeypatch):
+    """SIGTERM (a call's time limit) while drive() waits: SystemExit in the main thread, and the requests
+    not yet sent are cancelled rather than sent first (the ones in flight end when the server stops), in
+    each loop (the open loop submits every due request at once)."""
+    import threading
+
+    calls = []
+
+    class Slow:
+        def generate_stream(self, ids, n, timeout_s):
+            calls.append(len(ids))
+            time.sleep(0.2)
+            raise OSError("no server here")
+
+    prompts = [wl.Prompt((f"d{i}",), 64, 1) for i in range(40)]
+    old = signal.signal(signal.SIGTERM, bench._terminated)
+    try:
+        for loop in ("closed", "open"):
+            calls.clear()
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            t0 = time.monotonic()
+            with pytest.raises(SystemExit) as e:
+                bench.drive(Slow(), prompts, wl.BlockTokens(64, 1000, seed=0), loop, 2, 10.0, 2)
+            assert e.value.code == 128 + signal.SIGTERM and time.monotonic() - t0 < 3.0, loop
+            time.sleep(0.5)  # the two in flight finish; nothing queued starts
+            assert len(calls) <= 8 < len(prompts), loop
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_merge_refuses_runs_of_another_gpu_or_code_and_the_table_names_the_machine(tmp_path):
+    """bench_peers records what a run ran on (GPU, host, commit, a digest of the sources, the serving
+    packages' versions); runs merged into one table must share the GPU and the code, and the table says
+    which, and which runs had no warm-up server."""
+    m = bench.machine()
+    assert len(m["source_digest"]) == 16 and m["host"] and "sglang" in m["versions"]
+    assert bench.machine()["source_digest"] == m["source_digest"]  # stable
+    a, b = synthetic_result(), synthetic_result()
+    a["meta"].update(machine={**m, "gpu": "NVIDIA H200, 580.159.04"}, started="t1", warm_up={"wall_s": 1.0})
+    b["meta"].update(machine={**m, "gpu": "NVIDIA H100 80GB HBM3, 580.159.04"}, started="t2")
+    with pytest.raises(ValueError, match=r"machine.gpu = 'NVIDIA H100 80GB HBM3, 580.159.04' differs"):
+        report.merge([a, b])
+    b["meta"]["machine"] = {**a["meta"]["machine"], "source_digest": "0" * 16}
+    with pytest.raises(ValueError, match="machine.source_digest"):
+        report.merge([a, b])
+    b["meta"]["machine"] = dict(a["meta"]["machine"])
+    merged = report.merge([a, b])
+    report.write_report(merged, str(tmp_path))
+    md = (tmp_path / "peers.md").read_text()
+    assert f"Machine: NVIDIA H200, 580.159.04 on {m['host']}; code" in md and f"sources {m['source_digest']}" in md
+    assert "consecutive runs at the same code and settings (started t1, t2); runs without a warm-up server: 2." in md
+    del b["meta"]["machine"]  # a run saved before runs recorded their machine: not checked
+    assert report.merge([a, b])
+
+
+def test_settle_waits_while_backups_move_and_not_past_its_bound(monkeypatch):
+    """A storage tier's server is stopped only once its backups stop moving (a slower writer's backlog is
+    written, not counted lost at the restart), after at least STORAGE_SETTLE_S, at most STORAGE_SETTLE_MAX_S."""
+    monkeypatch.setattr(bench, "COUNTER_SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "SETTLE_POLL_S", 0.05)
+    monkeypatch.setattr(bench, "STORAGE_SETTLE_S", 0.1)
+    monkeypatch.setattr(bench, "STORAGE_SETTLE_MAX_S", 5.0)
+
+    class Backing:  # /metrics of a server still backing up for its first n reads
+        def __init__(self, moving: int):
+            self.reads, self.moving = 0, moving
+
+        def metrics_text(self, timeout_s):
+            self.reads += 1
+            return f"sglang:backuped_tokens_total {64 * min(self.reads, self.moving)}\n"
+
+    storage = tiers.Tier("t", [], "", storage_dirs=["/nowhere"])
+    srv = Backing(moving=20)
+    waited = bench.settle(srv, storage)
+    assert srv.reads >= 21 and 20 * 0.05 <= waited < 5.0  # it waited the backlog out
+    monkeypatch.setattr(bench, "STORAGE_SETTLE_MAX_S", 0.5)
+    srv = Backing(moving=10**6)
+    assert bench.settle(srv, storage) < 1.0  # bounded
+    srv = Backing(moving=10**6)
+    assert bench.settle(srv, tiers.Tier("l2", [], "")) < 0.05 and srv.reads == 0  # no storage: no wait
