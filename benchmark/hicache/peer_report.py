@@ -369,6 +369,10 @@ def markdown(result: dict, rows: list) -> str:
     if any("mode_ok" in r for r in rows):
         parts += ["First token = the prompt's most frequent token (KV-sensitive weights): " + ", ".join(
             f"{r['tier']} {r['phase']} {r['mode_ok']}/{r['mode_checked']}" for r in rows if "mode_ok" in r), ""]
+    dram = sorted({t["name"] for t in result["tiers"] if t["name"] in STORAGE_INCLUDES_DRAM and t.get("phases")})
+    if dram:
+        parts += ["Storage tokens of " + ", ".join(f"`{n}`" for n in dram) + " include hits in the tier's own DRAM "
+                  "(Mooncake's segment, LMCache's L1): upstream counts every token its storage backend returns.", ""]
     parts.append("How each tier was configured:")
     parts += [f"- `{label(t)}`: {t['how']}" for t in result["tiers"]]
     used = [t for t in result["tiers"] if t.get("fs_at_start")]
@@ -492,6 +496,8 @@ def run_settings(meta: dict):
     return {k: v for k, v in ns.items() if k not in ARGV_MAY_DIFFER}
 
 
+# tiers whose "storage" tokens include their own DRAM: upstream counts whatever the backend returns
+STORAGE_INCLUDES_DRAM = ("mooncake", "mooncake-standalone", "lmcache")
 MACHINE_SAME = ("gpu", "source_digest")  # bench_peers.machine(): what runs merged into one table must share
 
 

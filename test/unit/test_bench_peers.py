@@ -1137,6 +1137,10 @@ def test_merge_refuses_runs_of_another_gpu_or_code_and_the_table_names_the_machi
     md = (tmp_path / "peers.md").read_text()
     assert f"Machine: NVIDIA H200, 580.159.04 on {m['host']}; code" in md and f"sources {m['source_digest']}" in md
     assert "consecutive runs at the same code and settings (started t1, t2); runs without a warm-up server: 2." in md
+    assert "include hits in the tier's own DRAM" not in md  # no such tier ran
+    lm = {"name": "lmcache", "how": "L1 + fs_native", "error": None, "phases": a["tiers"][1]["phases"]}
+    report.write_report({**merged, "tiers": merged["tiers"] + [lm]}, str(tmp_path))
+    assert "Storage tokens of `lmcache` include hits in the tier's own DRAM" in (tmp_path / "peers.md").read_text()
     del b["meta"]["machine"]  # a run saved before runs recorded their machine: not checked
     assert report.merge([a, b])
 
