@@ -119,8 +119,10 @@ class L3Store(PageStore):
 
     def read_pages(self, payload: str, keys: list[bytes], outs: list, timeout: Optional[float] = None) -> list[bool]:
         """Read, verify and wait. With a timeout it returns within it whatever the device does: a page
-        not read in time is a miss. Reads land in the store's own memory and are copied into `outs`
-        only once verified, so a read that completes late never touches `outs`."""
+        not read in time is a miss. A read writes `outs` only while its op is live (the Python engine's
+        finisher skips an op its caller gave up on; the native engines write through the op's gate,
+        closed before this returns), so a read that completes late never touches `outs`; a miss's
+        `outs[i]` is unspecified (the native and uring engines copy a page as they checksum it)."""
         return self.finish_read_pages(self.start_read_pages(payload, keys, outs, timeout))
 
     def start_read_pages(self, payload: str, keys: list[bytes], outs: list,

@@ -73,9 +73,9 @@ TRAILING_POOLS = frozenset(n.value for n in (
     PoolName.MAMBA, PoolName.SWA, PoolName.AUXILIARY_SWA, PoolName.DRAFT_SWA, PoolName.DEEPSEEK_V4_C4_STATE,
     PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, PoolName.DEEPSEEK_V4_C128_STATE))
 # Upstream's prefetch and backup threads call us synchronously; a stuck disk must not wedge
-# them (and with them shutdown). Past READ_TIMEOUT_S the unfinished pages are misses; reads
-# land in the store's own memory, so nothing reaches the host pages after read_pages
-# returned. Past WRITE_TIMEOUT_S the pages not yet durable are reported not written; with a
+# them (and with them shutdown). Past READ_TIMEOUT_S the unfinished pages are misses; a read
+# writes the host pages only while its op is live (the store's finisher check or gate), so
+# nothing reaches them after read_pages returned. Past WRITE_TIMEOUT_S the pages not yet durable are reported not written; with a
 # timeout the store copies the host pages into its staging memory first, so it never reads
 # them after write_pages returned (upstream may free or reuse them then). Under the L3
 # config's io.zero_copy_writes it writes aligned host pages directly instead, and a write
