@@ -822,7 +822,16 @@ class H(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         seen.write(f"{len(body['input_ids'])}\n")
         seen.flush()
-        answer_sse(self, {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}})
+        chunk = {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}}
+        if body.get("stream"):
+            answer_sse(self, chunk)
+        else:  # the non-streaming /generate (a tier's warm request)
+            data = json.dumps(chunk).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
     def log_message(self, *a):
         pass
@@ -1170,3 +1179,53 @@ def test_settle_waits_while_backups_move_and_not_past_its_bound(monkeypatch):
     assert bench.settle(srv, storage) < 1.0  # bounded
     srv = Backing(moving=10**6)
     assert bench.settle(srv, tiers.Tier("l2", [], "")) < 0.05 and srv.reads == 0  # no storage: no wait
+
+
+def test_a_whole_run_and_a_run_stopped_midway_leave_their_tables_and_nothing_running(tmp_path, monkeypatch):
+    """cmd_run end to end on the harness's real process lifecycle, a stand-in answering for launch_server:
+    a whole run writes its JSON and table with the machine it ran on; a run stopped by SIGTERM during a
+    tier's restart (a call's time limit) keeps the phases measured by then, stops every server and
+    removes the tier's storage on its way out."""
+    args0, procs, _services = _tier_run_setup(tmp_path, monkeypatch, FAKE_SERVER)
+    monkeypatch.setattr(bench, "COUNTER_SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "STORAGE_SETTLE_S", 0.1)
+    monkeypatch.setattr(bench, "SETTLE_POLL_S", 0.05)
+
+    def argv(out):
+        return ["run", "--model", "small", "--workload", "storm", "--docs", "3", "--allow-small-storm",
+                "--doc-tokens", "128", "--suffix-tokens", "64", "--block-tokens", "64", "--suffixes", "2",
+                "--requests", "6", "--concurrency", "2",
+                "--device-tokens", "1024", "--hicache-size", "1", "--disk-gb", "1", "--no-warm-up",
+                "--tiers", "hicache-l2,file", "--work-dir", str(tmp_path / "w"), "--out-dir", str(out)]
+
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert bench.main(argv(tmp_path / "whole")) == 0
+        res = json.loads((tmp_path / "whole" / "peers.json").read_text())
+        assert [t["name"] for t in res["tiers"]] == ["hicache-l2", "file"]
+        assert sorted(res["tiers"][1]["phases"]) == ["replay", "restart"] and res["meta"]["machine"]["source_digest"]
+        assert "| file | restart |" in (tmp_path / "whole" / "peers.md").read_text()
+        assert all(p.poll() is not None for p in procs) and len(procs) == 3  # l2 replay, file replay + restart
+
+        real_run_phase, calls = bench.run_phase, []
+
+        def stopped_at_the_restart(srv, services, tier, *a):
+            calls.append(tier.name)
+            if len(calls) == 3:  # the file tier's restart: the call's time limit arrives
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            return real_run_phase(srv, services, tier, *a)
+
+        monkeypatch.setattr(bench, "run_phase", stopped_at_the_restart)
+        procs.clear()
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv(tmp_path / "stopped"))
+        assert e.value.code == 128 + signal.SIGTERM
+        res = json.loads((tmp_path / "stopped" / "peers.json").read_text())
+        file_tier = res["tiers"][-1]
+        assert file_tier["name"] == "file" and list(file_tier["phases"]) == ["replay"]  # what was measured
+        assert "| hicache-l2 | replay |" in (tmp_path / "stopped" / "peers.md").read_text()
+        assert all(p.poll() is not None for p in procs)  # every server stopped on the way out
+        assert not (tmp_path / "w" / "file" / "kv").exists()  # its storage removed
+    finally:
+        signal.signal(signal.SIGTERM, old)
