@@ -65,6 +65,7 @@ from benchmark.hicache import bench_server_ttft as ttft  # the shared harness: m
 from benchmark.hicache import peer_report, peer_tiers
 from benchmark.hicache.peer_tiers import du_bytes  # bytes a tier's storage holds
 from benchmark.hicache import peer_workloads as wl
+from benchmark.support import block_io  # what its disk read and wrote in a phase
 from benchmark.support import page_cache  # what of a tier's storage the page cache holds
 from benchmark.support import server_process as harness  # the real-server harness
 
@@ -393,8 +394,10 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     spids = [s.proc.pid for s in services]
     cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
     counters0 = storage_counters(srv)
+    io0 = block_io.counters(tier.storage_dirs[0]) if tier.storage_dirs else None
     rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
     settled = settle(srv, tier)
+    disk_io = block_io.delta(io0, block_io.counters(tier.storage_dirs[0]) if tier.storage_dirs else None)
     cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)  # after the settle: the backups' work is charged too
     counters = counter_deltas(counters0, storage_counters(srv))
     ok = [r for r in rows if not r.get("error")]
@@ -409,8 +412,11 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
             + ("page cache not measurable here" if cached is None else
                f"{cached['resident'] / GB:.2f} GB of it in the page cache"
                + (f" ({cached['unread']} files not readable)" if cached["unread"] else "")))
+    if disk_io:
+        log(f"[{tier.name}] its disk read {disk_io['read'] / GB:.2f} GB and wrote {disk_io['written'] / GB:.2f} GB "
+            "in the phase")
     return {"wall_s": wall, "requests": rows, "startup_s": srv.startup_s, "settle_s": settled, "du": du,
-            "page_cache": cached,
+            "page_cache": cached, "disk_io": disk_io,
             "fs_used_pct": None if fs is None else fs["used_pct"],
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,

@@ -6,7 +6,8 @@ Per tier and phase: requests/s (completed requests over the phase's wall time), 
 tokens each cache level served (``cached_tokens_details``), the hit ratio (served / prompt tokens) beside
 the ideal (``peer_workloads.ideal_hits``), bytes on disk (du of the tier's storage directories after the
 phase) and of them the bytes the page cache held then (``page_cache.resident_bytes``: DRAM a tier that
-writes and reads through the page cache serves from beyond the host pool every tier is given), CPU seconds of the server's process tree and of the tier's side services, and output ids against
+writes and reads through the page cache serves from beyond the host pool every tier is given), what the
+storage's block device read and wrote during the phase (``block_io``: the whole device's counters), CPU seconds of the server's process tree and of the tier's side services, and output ids against
 the reference tier (the first tier, in run order, with the phase): requests whose ids differ, of those
 compared. With ``kv_sensitive`` the run also counts first tokens that are the prompt's most frequent
 token (the shaped model's answer when the prefix KV is right). Below the table, the deltas of each
@@ -216,6 +217,8 @@ def summarize(result: dict) -> list:
                    **(shortfall(result, phase, rows) or {"in_flight": None, "lost": None, "lost_short": None}),
                    "disk_bytes": (ph.get("du") or {}).get("allocated"),
                    "page_cache_bytes": (ph.get("page_cache") or {}).get("resident"),
+                   "disk_read_bytes": (ph.get("disk_io") or {}).get("read"),
+                   "disk_written_bytes": (ph.get("disk_io") or {}).get("written"),
                    "cpu_server_s": ph.get("cpu_server_s"), "cpu_services_s": ph.get("cpu_services_s"),
                    "ids_differ": diff, "ids_compared": compared, "reference": label(ref), "is_reference": is_ref,
                    "startup_s": ph.get("startup_s"), "first_storage_hit_s": first_storage_hit_s(rows),
@@ -263,7 +266,7 @@ def _f(v, fmt="{:.3f}"):
 
 def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
     head = ["tier", "phase", "req/s", "errors", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "device tok", "host tok",
-            "storage tok", "hit ratio (ideal)", "in flight tok", f"lost tok (< {threshold})", "disk GB (in page cache)", "CPU s server + services", "ids differ / compared",
+            "storage tok", "hit ratio (ideal)", "in flight tok", f"lost tok (< {threshold})", "disk GB (in page cache)", "disk read / written GB", "CPU s server + services", "ids differ / compared",
             "startup s", "first storage hit s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -279,7 +282,9 @@ def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
             _f(r["in_flight"], "{:,}"),
             "-" if r["lost"] is None else f"{r['lost']:,} ({r['lost_short']:,})",
             _f(None if r["disk_bytes"] is None else r["disk_bytes"] / GB, "{:.2f}")
-            + ("" if r.get("page_cache_bytes") is None else f" ({r['page_cache_bytes'] / GB:.2f})"), cpu,
+            + ("" if r.get("page_cache_bytes") is None else f" ({r['page_cache_bytes'] / GB:.2f})"),
+            "-" if r.get("disk_read_bytes") is None else
+            f"{r['disk_read_bytes'] / GB:.2f} / {r['disk_written_bytes'] / GB:.2f}", cpu,
             f"{r['ids_differ']} / {r['ids_compared']}" + (" (ref)" if r["is_reference"] else ""),
             _f(r["startup_s"], "{:.1f}"), _f(r["first_storage_hit_s"], "{:.2f}")]) + " |")
     return "\n".join(lines)

@@ -407,7 +407,7 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
     assert bench.main(["report", str(path), "--out-dir", str(out)]) == 0
     md = (out / "peers.md").read_text()
     assert "| cp-l3-python | restart | 1.50 | 1 / 4 | 0.200 | 0.200 | 0.200 | 192 | 0 | 384 | 0.750 (0.750) | - | - | " \
-           "2.00 | 12.5 + 0.0 | 1 / 3 | 30.0 | 0.80 |" in md
+           "2.00 | - | 12.5 + 0.0 | 1 / 3 | 30.0 | 0.80 |" in md
     assert "| hicache-l2 | replay | 2.00 | 0 / 4 |" in md and "0 / 4 (ref)" in md
     assert md.count("(ref)") == 1  # the reference tier's restart is checked against its replay too
     assert "each row's output ids against `hicache-l2`'s replay" in md
@@ -418,13 +418,14 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
 
 
-def test_report_puts_the_page_cache_share_of_a_tiers_storage_beside_its_disk_bytes(tmp_path):
+def test_report_puts_the_page_cache_share_and_the_disks_reads_beside_a_tiers_disk_bytes(tmp_path):
     res = synthetic_result()
     res["tiers"][1]["phases"]["restart"]["page_cache"] = {"resident": 1.5e9, "files": 3, "unread": 0}
+    res["tiers"][1]["phases"]["restart"]["disk_io"] = {"read": 2.25e9, "written": 0.5e9}
     md = report.write_report(res, str(tmp_path)) and (tmp_path / "peers.md").read_text()
-    assert "| disk GB (in page cache) |" in md
-    assert "| 2.00 (1.50) | 12.5 + 0.0 | 1 / 3 |" in md  # ours' restart
-    assert "| 2.00 | 12.5 + 0.0 | 0 / 4 |" in md  # ours' replay, saved without the figure: du alone
+    assert "| disk GB (in page cache) | disk read / written GB |" in md
+    assert "| 2.00 (1.50) | 2.25 / 0.50 | 12.5 + 0.0 | 1 / 3 |" in md  # ours' restart
+    assert "| 2.00 | - | 12.5 + 0.0 | 0 / 4 |" in md  # ours' replay, saved without either figure
 
 
 def test_report_says_where_the_time_to_first_token_went(tmp_path):
