@@ -297,30 +297,19 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
             row.update(error=f"{type(e).__name__}: {e}"[:500], latency_s=time.monotonic() - t0 - sent)
         rows[i] = row
 
-    def pool(n: int) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max(1, n))
-
     # A run stopped meanwhile (SIGTERM at a call's limit: SystemExit here) cancels the requests not yet
     # sent instead of sending them all first; the ones in flight end when the caller stops the server.
-    if loop == "closed":
-        ex = pool(concurrency)
-        try:
+    ex = ThreadPoolExecutor(max(1, concurrency if loop in ("closed", "sessions") else max_inflight))
+    try:
+        if loop == "closed":
             list(ex.map(one, range(len(prompts))))
-        finally:
-            ex.shutdown(wait=False, cancel_futures=True)
-    elif loop == "sessions":  # each client replays one conversation at a time, a turn after the last one's answer
-        def session(turns: list) -> None:
-            for i in turns:
-                one(i)
+        elif loop == "sessions":  # each client replays one conversation at a time, a turn after the last one's answer
+            def session(turns: list) -> None:
+                for i in turns:
+                    one(i)
 
-        ex = pool(concurrency)
-        try:
             list(ex.map(session, conversation_turns(prompts)))
-        finally:
-            ex.shutdown(wait=False, cancel_futures=True)
-    else:
-        ex = pool(max_inflight)
-        try:
+        else:
             futures = []
             for i, p in enumerate(prompts):
                 delay = t0 + p.at_s - time.monotonic()
@@ -329,8 +318,8 @@ def drive(srv, prompts: list, tokens, loop: str, concurrency: int, timeout_s: fl
                 futures.append(ex.submit(one, i))
             for f in futures:
                 f.result()
-        finally:
-            ex.shutdown(wait=False, cancel_futures=True)
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
     return rows, time.monotonic() - t0
 
 
@@ -352,8 +341,7 @@ def storage_counters(srv):
     return out
 
 
-def counter_deltas(before, after):
-    return None if before is None or after is None else {k: after[k] - before[k] for k in after}
+counter_deltas = block_io.delta  # {counter: after - before}, None when either read failed
 
 
 COUNTER_SETTLE_S = 2.0  # our L3 counters reach /metrics from a 1 s publisher thread
@@ -394,17 +382,18 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     spids = [s.proc.pid for s in services]
     cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
     counters0 = storage_counters(srv)
-    io0 = block_io.counters(tier.storage_dirs[0]) if tier.storage_dirs else None
+    disk = tier.storage_dirs[0] if tier.storage_dirs else None
+    io0 = block_io.counters(disk) if disk else None
     rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
     settled = settle(srv, tier)
-    disk_io = block_io.delta(io0, block_io.counters(tier.storage_dirs[0]) if tier.storage_dirs else None)
+    disk_io = counter_deltas(io0, block_io.counters(disk) if disk else None)
     cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)  # after the settle: the backups' work is charged too
     counters = counter_deltas(counters0, storage_counters(srv))
     ok = [r for r in rows if not r.get("error")]
     served = {k: sum(r[k] for r in ok) for k in ("storage", "host", "device")}
     log(f"[{tier.name}] {len(ok)}/{len(rows)} answered in {wall:.1f} s; tokens served from "
         + ", ".join(f"{k} {v:,}" for k, v in served.items()))
-    fs = peer_tiers.fs_use(tier.storage_dirs[0]) if tier.storage_dirs else None
+    fs = peer_tiers.fs_use(disk) if disk else None
     du = du_bytes(tier.storage_dirs)
     cached = page_cache.resident_bytes(tier.storage_dirs) if tier.storage_dirs else None
     if tier.storage_dirs:
@@ -636,7 +625,6 @@ def machine() -> dict:
     digest = hashlib.sha256()
     for sub in ("python/sglang_cp", "benchmark"):
         for dirpath, dirs, names in sorted(os.walk(os.path.join(REPO, sub))):
-            dirs.sort()
             for n in sorted(names):
                 if n.endswith((".py", ".c", ".toml")):
                     path = os.path.join(dirpath, n)
@@ -694,13 +682,14 @@ def cmd_run(args) -> int:
         except harness.ServerStartError as e:  # the tiers' own starts will say what is wrong
             result["meta"]["warm_up"] = {"error": "did not start: " + str(e).splitlines()[0]}
             log(f"[warm-up] {result['meta']['warm_up']['error']}")
-    for tier in tiers:
-        def saved(rec, done=list(result["tiers"])):  # a tier's finished phases, saved before its next one
-            write_private_json(out_json, {**result, "tiers": done + [rec]})
+    def saved(rec):  # a tier's finished phases, saved before its next one
+        write_private_json(out_json, {**result, "tiers": result["tiers"] + [rec]})
 
+    for i, tier in enumerate(tiers):
         result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env, saved))
         write_private_json(out_json, result)
-        peer_report.write_report(result, args.out_dir)  # the table so far, should the run be stopped
+        if i < len(tiers) - 1:  # the last tier's table is the final one, written below
+            peer_report.write_report(result, args.out_dir)  # the table so far, should the run be stopped
     for path in peer_report.write_report(result, args.out_dir):
         log(f"wrote {path}")
     print(open(os.path.join(args.out_dir, "peers.md")).read(), flush=True)

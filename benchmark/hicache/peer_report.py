@@ -194,6 +194,7 @@ def label(tier: dict) -> str:
 
 def summarize(result: dict) -> list:
     prompts = result["prompts"]
+    ref = reference_tier(result)
     out = []
     for t in result["tiers"]:
         if t.get("error") and not t.get("phases"):
@@ -205,7 +206,6 @@ def summarize(result: dict) -> list:
             ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
             served = {k: sum(r.get(k) or 0 for r in ok) for k in ("device", "host", "storage")}
             tokens = sum(prompts[r["i"]]["tokens"] for r in ok)
-            ref = reference_tier(result)
             is_ref = ref is t and phase == REFERENCE_PHASE
             diff, compared = (0, len(ok)) if is_ref else mismatches(ref["phases"][REFERENCE_PHASE]["requests"], rows)
             row = {"tier": label(t), "phase": phase, "n": len(rows), "errors": len(rows) - len(ok),
@@ -513,6 +513,7 @@ def merge(results: list) -> dict:
     if not results:
         raise ValueError("merge: no results given")
     base = results[0]
+    first = run_settings(base["meta"])
     for i, r in enumerate(results[1:], 2):
         for k in _SAME:
             if r["meta"].get(k) != base["meta"].get(k):
@@ -526,7 +527,7 @@ def merge(results: list) -> dict:
             if m is not None and f is not None and m != f:
                 raise ValueError(f"result {i}: machine.{k} = {m!r} differs from the first's {f!r}; merge only "
                                  "runs on one kind of GPU at the same code (run the other tiers again there)")
-        mine, first = run_settings(r["meta"]), run_settings(base["meta"])
+        mine = run_settings(r["meta"])
         if mine is not None and first is not None and mine != first:
             k = next(k for k in sorted(set(mine) | set(first)) if mine.get(k) != first.get(k))
             raise ValueError(f"result {i}: --{k.replace('_', '-')} = {mine.get(k)!r} differs from the first's "

@@ -15,27 +15,15 @@ from typing import Optional
 SECTOR = 512  # the stat file counts 512-byte sectors (Documentation/block/stat.rst)
 
 
-def stat_path(path: str) -> Optional[str]:
-    """The sysfs stat file of the block device holding ``path``; None for a filesystem without one
-    (tmpfs, overlay, NFS: major number 0) or a path that does not exist."""
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return None
-    if os.major(dev) == 0:
-        return None
-    p = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
-    return p if os.path.exists(p) else None
-
-
 def counters(path: str) -> Optional[dict]:
     """``{"read": bytes, "written": bytes}`` the device holding ``path`` has moved since boot; None where
-    the kernel keeps no such counters for it."""
-    p = stat_path(path)
-    if p is None:
-        return None
+    the kernel keeps no such counters for it (tmpfs, overlay, NFS: major number 0; a path that does not
+    exist)."""
     try:
-        with open(p) as f:
+        dev = os.stat(path).st_dev
+        if os.major(dev) == 0:
+            return None
+        with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as f:
             fields = f.read().split()
         return {"read": int(fields[2]) * SECTOR, "written": int(fields[6]) * SECTOR}
     except (OSError, ValueError, IndexError):
