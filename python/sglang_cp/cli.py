@@ -247,6 +247,11 @@ def _holders(owners: list) -> str:
                      for r, h in owners)
 
 
+def _users(users) -> str:
+    """fsck.live_users' processes as the messages name them."""
+    return "; ".join(f"pid {p} ({c})" for p, c in users)
+
+
 def _cmd_l3_fsck(ns) -> int:
     import json
 
@@ -273,7 +278,7 @@ def _cmd_l3_fsck(ns) -> int:
     users = fsck.live_users(cfg)
     if users and ns.repair:
         console.print("[bold red]refusing --repair[/]: the L3 directory is in use by "
-                      + escape("; ".join(f"pid {p} ({c})" for p, c in users))
+                      + escape(_users(users))
                       + ". Stop the server (or those processes) and run it again.")
         return FSCK_USAGE
     if users and not owners:
@@ -289,8 +294,7 @@ def _cmd_l3_fsck(ns) -> int:
     if ns.repair and (rep.problems() or counts["orphan"]):
         # Checked again now the scan is over: a server that started during a long scan may have written
         # pages into slots the scan found free (orphans), whose headers repair would zero.
-        late = "; ".join(x for x in (_holders(fsck.live_owners(cfg)),
-                                     "; ".join(f"pid {p} ({c})" for p, c in fsck.live_users(cfg))) if x)
+        late = "; ".join(x for x in (_holders(fsck.live_owners(cfg)), _users(fsck.live_users(cfg))) if x)
         if late:
             console.print(escape(f"refusing --repair: a store started while fsck scanned ({late}); "
                                  "nothing was repaired. Stop the server and run it again."), style="bold red")
