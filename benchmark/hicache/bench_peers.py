@@ -57,6 +57,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 if not __package__:  # run as a file: the repository root is not on sys.path, so benchmark.* is not importable
     sys.exit("bench_peers: run it from the repository root as a module: python -m benchmark.hicache.bench_peers")
@@ -549,7 +550,8 @@ def switch_interval_ms(text: str) -> float:
     return ms
 
 
-def settings(args) -> peer_tiers.TierSettings:
+def settings(args, model: Optional[str] = None) -> peer_tiers.TierSettings:
+    """The tiers' shared settings; ``model`` (its directory) sizes what depends on its KV bytes per token."""
     return peer_tiers.TierSettings(work_dir=args.work_dir, host_gb=args.hicache_size, disk_gb=args.disk_gb,
                                    free_port=harness.free_port, prefetch_policy=args.prefetch_policy,
                                    prefetch_threshold=args.prefetch_threshold,
@@ -557,6 +559,7 @@ def settings(args) -> peer_tiers.TierSettings:
                                    io_threads=args.io_threads,
                                    gil_switch_interval_ms=args.gil_switch_interval_ms,
                                    mooncake_segment_gb=args.mooncake_segment_gb,
+                                   kv_bytes_per_token=ttft.kv_bytes_per_token(model, indexer=False) if model else 0,
                                    l3_toml=ttft.write_l3_toml)
 
 
@@ -632,7 +635,8 @@ def machine() -> dict:
                     with open(path, "rb") as f:
                         digest.update(f.read())
     versions = {}
-    for pkg in ("sglang", "torch", "sglang-cp", "nixl", "mooncake-transfer-engine", "lmcache"):
+    for pkg in ("sglang", "torch", "sglang-cp", "nixl", "mooncake-transfer-engine", "lmcache",
+                "lmcache-rust-raw-block-io"):
         try:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -653,7 +657,7 @@ def cmd_run(args) -> int:
     tokens = wl.BlockTokens(args.block_tokens, vocab, args.seed)
     os.makedirs(args.out_dir, mode=0o700, exist_ok=True)
     os.makedirs(args.work_dir, mode=0o700, exist_ok=True)
-    s = settings(args)
+    s = settings(args, model)
     tiers = select_tiers(args, s)
     result = {"schema": 1,
               "meta": {"model": os.path.basename(model), "workload": desc, "kv_sensitive": args.kv_sensitive,
@@ -699,7 +703,7 @@ def cmd_run(args) -> int:
 def cmd_commands(args) -> int:
     """Each tier's side services and launch_server command line, as a shell would run them."""
     model = ttft.MODELS.get(args.model, args.model)
-    s = settings(args)
+    s = settings(args, model)
     for t in select_tiers(args, s):
         print(f"# {t.name}: {t.how}")
         if t.error:
@@ -708,6 +712,8 @@ def cmd_commands(args) -> int:
             print(f"mkdir -p -m 700 {shlex.join(t.storage_dirs)}")
         for path, text in t.files.items():
             print(f"cat > {shlex.quote(path)} <<'EOF'\n{text}EOF")
+        for path, size in t.presized.items():
+            print(f"fallocate -l {size} {shlex.quote(path)}")
         if t.name.startswith("cp-l3-"):
             print(f"# {t.args[t.args.index('--cp-l3-config') + 1]}: written by bench_server_ttft.write_l3_toml")
         for x in t.services:  # with the environment run() gives it (Mooncake's client takes its SSD offload there)

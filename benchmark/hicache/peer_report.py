@@ -173,7 +173,8 @@ COLD = " (restart on a cold page cache)"  # on both of its rows: the replay ran 
 
 # Tiers whose DRAM tier lives in a side service, not in the SGLang server (bench_peers keeps side services
 # across a restart unless --restart-services).
-SERVICE_DRAM = {"lmcache": "its LMCache server's L1", "mooncake-standalone": "its mooncake_client's DRAM segment"}
+SERVICE_DRAM = {"lmcache": "its LMCache server's L1", "lmcache-raw-block": "its LMCache server's L1",
+                "mooncake-standalone": "its mooncake_client's DRAM segment"}
 
 
 def kept_service_dram(result: dict, tier: dict) -> bool:
@@ -290,7 +291,7 @@ def table(rows: list, threshold: int = PREFETCH_THRESHOLD) -> str:
     return "\n".join(lines)
 
 
-NO_HICACHE_HOST_POOL = {"no-hicache", "lmcache"}  # tiers without upstream's HiCache host pool
+NO_HICACHE_HOST_POOL = {"no-hicache", "lmcache", "lmcache-raw-block"}  # tiers without upstream's HiCache host pool
 
 
 def has_hicache_host_pool(tier_names) -> bool:
@@ -502,7 +503,7 @@ def run_settings(meta: dict):
 
 
 # tiers whose "storage" tokens include their own DRAM: upstream counts whatever the backend returns
-STORAGE_INCLUDES_DRAM = ("mooncake", "mooncake-standalone", "lmcache")
+STORAGE_INCLUDES_DRAM = ("mooncake", "mooncake-standalone", "lmcache", "lmcache-raw-block")
 MACHINE_SAME = ("gpu", "source_digest")  # bench_peers.machine(): what runs merged into one table must share
 
 

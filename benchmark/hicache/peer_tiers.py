@@ -27,6 +27,9 @@ policy. Each peer runs with its own SGLang flags and the settings its documentat
   ``host_gb`` and its native filesystem L2 adapter (``fs_native``, O_DIRECT) on a local directory, capped
   at ``disk_gb`` by an LRU ``eviction`` block (the plain ``fs`` adapter takes no cap: its
   ``max_capacity_gb`` is not read);
+- ``lmcache-raw-block``: the same server with its ``raw_block`` L2 adapter instead: fixed slots with a
+  header each in one preallocated file of ``disk_gb``, O_DIRECT, io_uring, its slot index checkpointed to
+  the file every second and verified against the slot headers when the server starts again;
 - ``cp-l3-<engine>``: ours, ``--enable-cp-l3`` on HiCache, one tier per read engine the L3 config
   accepts (``sglang_cp.l3.config.READ_ENGINES``).
 
@@ -71,6 +74,7 @@ class Tier:
     storage_dirs: list = field(default_factory=list)  # where its KV lands (emptied before the tier runs)
     restart_args: Optional[list] = None  # flags of the restarted server, where they differ
     files: dict = field(default_factory=dict)  # config files to write before it starts: path -> text
+    presized: dict = field(default_factory=dict)  # files it needs preallocated before it starts: path -> bytes
     error: Optional[str] = None  # why it cannot run on this host (exact text)
     needs: Optional[str] = None  # what it would take
     # Percent of its filesystem in use at which the tier deletes its own files (nixl's L3 cleaner), if any
@@ -94,6 +98,7 @@ class TierSettings:
     # our L3's io.gil_switch_interval_ms (0: the interpreter's own 5 ms); the docs set 0.5 for fast drives
     gil_switch_interval_ms: float = 0.0
     mooncake_segment_gb: float = 4.0  # Mooncake's own DRAM segment (the SSD-offload guide's example)
+    kv_bytes_per_token: int = 0  # the model's KV bytes per token (0: not known; raw_block's slot size needs it)
     # upstream's prefetch_threshold for every HiCache storage tier alike (None: upstream's default, 256)
     prefetch_threshold: Optional[int] = None
     # bench_server_ttft.write_l3_toml (root, capacity_gb, threads, engine, switch_ms)
@@ -269,18 +274,12 @@ def tier_mooncake_standalone(s: TierSettings) -> Tier:
 LMCACHE_L1_EVICTION_RATIO = 0.05
 
 
-def tier_lmcache(s: TierSettings) -> Tier:
-    root = s.dir("lmcache")
-    d = os.path.join(root, "fs")
+def _lmcache_tier(s: TierSettings, name: str, adapter: dict, adapter_how: str, storage: str,
+                  presized: Optional[dict] = None, probes: tuple = ()) -> Tier:
+    """A real ``lmcache server`` (multiprocess mode) with ``adapter`` as its L2 and SGLang's LMCache
+    connector; ``storage`` is where its L2 lands."""
+    root = s.dir(name)
     port = s.free_port()
-    # fs_native: the plain fs adapter reads no capacity (LMCache 0.5.6's FSL2AdapterConfig takes base_path,
-    # relative_tmp_dir, read_ahead_size and use_odirect only), so it would get unbounded disk; the native
-    # one counts max_capacity_gb (GiB) and evicts once the adapter carries an eviction block.
-    cap_gib = s.disk_gb * GB / GIB
-    adapter = {"type": "fs_native", "base_path": d, "num_workers": s.io_threads, "use_odirect": True,
-               "max_capacity_gb": round(cap_gib, 6),
-               "eviction": {"eviction_policy": "LRU", "trigger_watermark": EVICT_HIGH,
-                            "eviction_ratio": round(EVICT_HIGH - EVICT_LOW, 6)}}
     quiet = {"LMCACHE_TRACK_USAGE": "false"}  # its usage reports go to a public host: none from a benchmark
     # --l1-size-gb is GiB to LMCache (size_in_bytes = gb << 30): the host pool's bytes, as HiCache sizes its
     # pool in 10^9 B. Its L1 evicts at its default 80 % trigger; --eviction-ratio 0.05 (default 0.2 of the
@@ -292,26 +291,87 @@ def tier_lmcache(s: TierSettings) -> Tier:
                                         "--l2-adapter", json.dumps(adapter, separators=(",", ":"))], port,
                      env=quiet)
     yaml = os.path.join(root, "lmcache.yaml")
-    t = Tier("lmcache", ["--enable-lmcache", "--lmcache-config-file", yaml],
+    t = Tier(name, ["--enable-lmcache", "--lmcache-config-file", yaml],
              f"LMCache multiprocess server on 127.0.0.1:{port}: L1 {s.host_gb} GB DRAM ({l1_gib:.3f} GiB, LRU) in "
              f"place of HiCache's host pool (--enable-lmcache excludes --enable-hierarchical-cache; L1 evicts at "
-             f"LMCache's default 80 % trigger, {LMCACHE_L1_EVICTION_RATIO:g} of its keys at a time), fs_native L2 adapter in {d} ({s.io_threads} workers, O_DIRECT) capped at "
-             f"{s.disk_gb:g} GB ({cap_gib:.3f} GiB, LRU from 90 % to 85 %); its own prefetch (no "
-             f"--hicache-storage-prefetch-policy"
+             f"LMCache's default 80 % trigger, {LMCACHE_L1_EVICTION_RATIO:g} of its keys at a time), {adapter_how}; "
+             f"its own prefetch (no --hicache-storage-prefetch-policy"
              + ("" if s.prefetch_threshold is None else " or prefetch threshold") + ")",
-             env=quiet, services=[server], storage_dirs=[d],
-             files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})
+             env=quiet, services=[server], storage_dirs=[storage],
+             files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"}, presized=dict(presized or {}))
     # Its CUDA kernels load only on a GPU server, so a build against another torch fails there, not at
     # import of the connector: probe them too, for the exact error.
     t.error = (probe_import("lmcache.integration.sglang.unified_lmcache_mp_connector")
                or probe_import("lmcache.cuda_ops"))
+    for module, needs in probes:
+        if not t.error:
+            t.error = probe_import(module)
+            t.needs = needs if t.error else None
     if not t.error and shutil.which("lmcache") is None:
         t.error = "lmcache: not found on PATH"
-    if t.error:
+    if t.error and not t.needs:
         t.needs = ("an LMCache whose CUDA kernels (lmcache.cuda_ops) are built against this torch: pip install "
                    "lmcache, or where its wheel was built against another torch (an undefined c10 symbol above), "
                    "build it from its source release with this torch and a matching nvcc (docs/benchmarks.md, "
                    "'Running it'); its 'lmcache server' program serves the KV")
+    return t
+
+
+def _lmcache_eviction() -> dict:
+    """LMCache's L2 eviction block in our GC's band: from 90 % of the cap, 5 % of it at a time."""
+    return {"eviction_policy": "LRU", "trigger_watermark": EVICT_HIGH, "eviction_ratio": round(EVICT_HIGH - EVICT_LOW, 6)}
+
+
+def tier_lmcache(s: TierSettings) -> Tier:
+    d = os.path.join(s.dir("lmcache"), "fs")
+    # fs_native: the plain fs adapter reads no capacity (LMCache 0.5.6's FSL2AdapterConfig takes base_path,
+    # relative_tmp_dir, read_ahead_size and use_odirect only), so it would get unbounded disk; the native
+    # one counts max_capacity_gb (GiB) and evicts once the adapter carries an eviction block.
+    cap_gib = s.disk_gb * GB / GIB
+    adapter = {"type": "fs_native", "base_path": d, "num_workers": s.io_threads, "use_odirect": True,
+               "max_capacity_gb": round(cap_gib, 6), "eviction": _lmcache_eviction()}
+    return _lmcache_tier(s, "lmcache", adapter,
+                         f"fs_native L2 adapter in {d} ({s.io_threads} workers, O_DIRECT) capped at {s.disk_gb:g} GB "
+                         f"({cap_gib:.3f} GiB, LRU from 90 % to 85 %)", d)
+
+
+LMCACHE_CHUNK_TOKENS = 256  # the LMCache server's chunk (its --chunk-size default): one L2 object each
+RAW_BLOCK_ALIGN = 4096  # raw_block's block_align and header_bytes defaults
+RAW_BLOCK_CHECKPOINT_S = 1  # its slot index to the file every second (default 60: see tier_lmcache_raw_block)
+RAW_BLOCK_NEEDS = ("the lmcache_rust_raw_block_io package (LMCache's raw_block I/O crate; LMCache 0.5.6 neither "
+                   "builds nor pins it: pip install --pre lmcache-rust-raw-block-io, whose Python API matches the "
+                   "0.5.6 crate's source)")
+
+
+def tier_lmcache_raw_block(s: TierSettings) -> Tier:
+    """LMCache's ``raw_block`` L2 adapter: one preallocated file of fixed slots, a header per slot, O_DIRECT
+    and io_uring, its slot index checkpointed into the file and checked against the slot headers at start.
+
+    - A slot holds one of the server's 256-token chunks: the chunk's KV bytes rounded up to the 4 KiB
+      alignment, plus the 4 KiB header (a payload larger than its slot is refused, not split).
+    - The index checkpoint every second, not its default 60 s: objects stored after the last checkpoint are
+      not found after a restart of the server holding them, and the harness stops a server within seconds of
+      its last answer (as Mooncake's offload heartbeat is set to Mooncake's own tests' 1 s).
+    - Load and store workers: our I/O threads each (defaults 4 and 2), the thread budget ours reads with.
+    - The file is preallocated to the disk budget, as our slabs are (du counts it whole)."""
+    d = os.path.join(s.dir("lmcache-raw-block"), "rb")
+    path = os.path.join(d, "kv.raw")
+    cap = int(s.disk_gb * GB)
+    chunk = LMCACHE_CHUNK_TOKENS * s.kv_bytes_per_token
+    slot = -(-chunk // RAW_BLOCK_ALIGN) * RAW_BLOCK_ALIGN + RAW_BLOCK_ALIGN
+    adapter = {"type": "raw_block", "device_path": path, "slot_bytes": slot, "capacity_bytes": cap,
+               "use_odirect": True, "io_engine": "io_uring", "meta_checkpoint_interval_sec": RAW_BLOCK_CHECKPOINT_S,
+               "num_load_workers": s.io_threads, "num_store_workers": s.io_threads, "eviction": _lmcache_eviction()}
+    t = _lmcache_tier(s, "lmcache-raw-block", adapter,
+                      f"raw_block L2 adapter: {path} preallocated to {s.disk_gb:g} GB (du counts it whole), "
+                      f"{slot} B slots (a {LMCACHE_CHUNK_TOKENS}-token chunk + its header), O_DIRECT, io_uring, "
+                      f"{s.io_threads} load and {s.io_threads} store workers, slot index checkpointed every "
+                      f"{RAW_BLOCK_CHECKPOINT_S} s (default 60) and verified at start, LRU from 90 % to 85 %", d,
+                      presized={path: cap},
+                      probes=(("lmcache_rust_raw_block_io", RAW_BLOCK_NEEDS),))
+    if not s.kv_bytes_per_token and not t.error:
+        t.error = "raw_block slots are sized from the model's KV bytes per token, which these settings lack"
+        t.needs = "TierSettings.kv_bytes_per_token (bench_peers sets it from the model)"
     return t
 
 
@@ -346,7 +406,7 @@ def tier_ours(s: TierSettings, engine: str) -> Tier:
 
 def all_tiers(s: TierSettings) -> list:
     return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s),
-             tier_mooncake_standalone(s), tier_lmcache(s)]
+             tier_mooncake_standalone(s), tier_lmcache(s), tier_lmcache_raw_block(s)]
             + [tier_ours(s, e) for e in read_engines()])
 
 
@@ -414,8 +474,20 @@ def free_storage(tier: Tier) -> int:
     return freed
 
 
+def preallocate(path: str, size: int) -> None:
+    """A new private file of ``size`` allocated bytes (not a sparse one: a peer that reads and writes it
+    with O_DIRECT finds its blocks in place, as our slabs are preallocated)."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
 def prepare(tier: Tier, s: TierSettings) -> None:
-    """Empty the tier's storage and write its config files (0700 directories, 0600 files)."""
+    """Empty the tier's storage, write its config files and preallocate the files it needs (0700
+    directories, 0600 files)."""
     for d in tier.storage_dirs:
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d, mode=0o700)
@@ -423,6 +495,8 @@ def prepare(tier: Tier, s: TierSettings) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(text)
+    for path, size in tier.presized.items():
+        preallocate(path, size)
     if tier.name.startswith("cp-l3-"):
         engine = tier.name[len("cp-l3-"):]
         s.l3_toml(s.dir(tier.name), s.disk_gb, s.io_threads, engine, s.gil_switch_interval_ms)

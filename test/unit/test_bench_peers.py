@@ -195,7 +195,9 @@ def test_storm_is_seeded_zipf_and_outgrows_the_pools():
 
 
 def _settings(tmp_path, **kw):
-    return tiers.TierSettings(work_dir=str(tmp_path / "work"), host_gb=6, disk_gb=3.0,
+    kw.setdefault("kv_bytes_per_token", 36864)  # the small model's (32 MLA layers of 576 bf16)
+    kw.setdefault("disk_gb", 3.0)
+    return tiers.TierSettings(work_dir=str(tmp_path / "work"), host_gb=6,
                               free_port=bench.harness.free_port, l3_toml=bench.ttft.write_l3_toml, **kw)
 
 
@@ -207,13 +209,13 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     s = _settings(tmp_path)
     by = {t.name: t for t in tiers.all_tiers(s)}
     engines = tiers.read_engines()
-    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "mooncake-standalone", "lmcache"] + [
-        f"cp-l3-{e}" for e in engines]
+    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "mooncake-standalone", "lmcache",
+                        "lmcache-raw-block"] + [f"cp-l3-{e}" for e in engines]
     cmd = {n: bench.harness.ServerProcess(bench.ttft.MODELS["small"], t.args).command() for n, t in by.items()}
     for c in cmd.values():
         assert c[1:3] == ["-m", "sglang.launch_server"] and "--load-format" in c
     assert "--enable-hierarchical-cache" not in cmd["no-hicache"]
-    hicache = [n for n in by if n not in ("no-hicache", "lmcache")]
+    hicache = [n for n in by if n not in ("no-hicache", "lmcache", "lmcache-raw-block")]
     for n in hicache:  # the same host pool and prefetch policy everywhere
         c = cmd[n]
         assert c[c.index("--hicache-size") + 1] == "6"
@@ -282,6 +284,27 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     if lm.error:  # LMCache missing here: the connector's import error, not the kernels' (probed second)
         assert lm.error.startswith(("ModuleNotFoundError", "ImportError")) and "cuda_ops" in lm.needs
 
+    rb = by["lmcache-raw-block"]
+    (rsrv,) = rb.services
+    assert rsrv.argv[:rsrv.argv.index("--l2-adapter")] == srv.argv[:srv.argv.index("--l2-adapter")][:4] + [
+        "--port", str(rsrv.port)] + srv.argv[6:srv.argv.index("--l2-adapter")]  # the same L1, its own port
+    rba = json.loads(rsrv.argv[rsrv.argv.index("--l2-adapter") + 1])
+    (path,) = rb.presized
+    # a slot is one 256-token chunk of the model's KV (rounded to the 4 KiB alignment) plus its 4 KiB header,
+    # in one file preallocated to the disk budget in bytes; the index checkpoint every second, not every 60 s
+    assert rba == {"type": "raw_block", "device_path": path, "slot_bytes": 256 * 36864 + 4096,
+                   "capacity_bytes": 3 * 10**9, "use_odirect": True, "io_engine": "io_uring",
+                   "meta_checkpoint_interval_sec": 1, "num_load_workers": 8, "num_store_workers": 8,
+                   "eviction": adapter["eviction"]}
+    assert rb.presized == {path: 3 * 10**9} and os.path.dirname(path) == rb.storage_dirs[0] != lm.storage_dirs[0]
+    assert "--enable-lmcache" in cmd["lmcache-raw-block"] and rb.env == lm.env
+    odd = {t.name: t for t in tiers.all_tiers(_settings(tmp_path, kv_bytes_per_token=36866))}["lmcache-raw-block"]
+    odd_slot = json.loads(odd.services[0].argv[-1])["slot_bytes"]
+    assert odd_slot % 4096 == 0 and odd_slot - 4096 >= 256 * 36866 > odd_slot - 8192
+    if rb.error:  # LMCache missing here: its error first; with LMCache, the raw_block crate's
+        assert rb.error == lm.error or rb.error.startswith("ModuleNotFoundError: No module named 'lmcache_rust")
+        assert rb.needs
+
     for e in engines:
         t = by[f"cp-l3-{e}"]
         c = cmd[f"cp-l3-{e}"]
@@ -312,6 +335,26 @@ def test_probe_import_carries_the_exact_error_and_prepare_writes_private_configs
     cfg = load_l3_config(ours.args[ours.args.index("--cp-l3-config") + 1])
     assert cfg.io.read_engine == "python" and cfg.disks[0].path == ours.storage_dirs[0]
     assert cfg.io.gil_switch_interval_ms == 0.0 and "gil_switch" not in ours.how
+
+
+def test_a_presized_file_is_preallocated_private_and_new(tmp_path):
+    """raw_block reads and writes its one file with O_DIRECT: prepare() allocates its blocks (not a sparse
+    file), 0600, and never opens a path that is already there (a link or another tier's file)."""
+    s = _settings(tmp_path, disk_gb=0.004)
+    rb = {t.name: t for t in tiers.all_tiers(s)}["lmcache-raw-block"]
+    tiers.prepare(rb, s)
+    ((path, size),) = rb.presized.items()
+    st = os.stat(path)
+    assert size == 4 * 10**6 and st.st_size == size and st.st_blocks * 512 >= size
+    assert stat.S_IMODE(st.st_mode) == 0o600 and stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert tiers.du_bytes(rb.storage_dirs)["allocated"] >= size
+    os.remove(path)
+    os.symlink(tmp_path / "elsewhere", path)
+    with pytest.raises(FileExistsError):
+        tiers.preallocate(path, size)
+    assert not (tmp_path / "elsewhere").exists()
+    tiers.prepare(rb, s)  # a new run empties the storage first, then preallocates again
+    assert os.stat(path).st_size == size and not os.path.islink(path)
 
 
 def test_our_switch_interval_reaches_our_config_and_a_bad_one_is_refused_at_parse(tmp_path, capsys):
@@ -975,6 +1018,13 @@ def test_printed_commands_carry_each_services_environment_and_make_the_storage_d
     assert lines.index(f"mkdir -p -m 700 {ssd}") < lines.index(client)
     assert f"mkdir -p -m 700 {work / 'file' / 'kv'}" in lines
     assert any(x.startswith("mooncake_master --rpc_port=") and x.endswith(" &") for x in lines)
+    # raw_block's file is preallocated to the disk budget, its slots sized from the model's KV per token
+    assert bench.main(["commands", "--work-dir", str(work), "--disk-gb", "2", "--tiers", "lmcache-raw-block"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rb = str(work / "lmcache-raw-block" / "rb")
+    assert lines.index(f"mkdir -p -m 700 {rb}") < lines.index(f"fallocate -l {2 * 10**9} {rb}/kv.raw")
+    server = next(x for x in lines if x.startswith("LMCACHE_TRACK_USAGE=false lmcache server "))
+    assert f'"slot_bytes":{256 * bench.ttft.kv_bytes_per_token(bench.ttft.MODELS["small"], indexer=False) + 4096}' in server
 
 
 def test_every_phase_is_checked_against_the_reference_tiers_replay():
