@@ -503,7 +503,7 @@ def run_settings(meta: dict):
 
 
 # tiers whose "storage" tokens include their own DRAM: upstream counts whatever the backend returns
-STORAGE_INCLUDES_DRAM = ("mooncake", "mooncake-standalone", "lmcache", "lmcache-raw-block")
+STORAGE_INCLUDES_DRAM = ("mooncake", "mooncake-strict", "mooncake-standalone", "lmcache", "lmcache-raw-block")
 MACHINE_SAME = ("gpu", "source_digest")  # bench_peers.machine(): what runs merged into one table must share
 
 

@@ -20,6 +20,9 @@ policy. Each peer runs with its own SGLang flags and the settings its documentat
   capped at ``disk_gb`` with LRU eviction, one object per bucket and a 1 s offload heartbeat (so every
   stored page reaches the disk, and soon: ``_mooncake_offload_env`` says why), io_uring with O_DIRECT
   reads; its DRAM segment lives in the SGLang process;
+- ``mooncake-strict``: the embedded client with Mooncake's durable SSD backend instead
+  (``offset_allocator_storage_backend`` in its ``strict`` persistence mode: every offload batch durable,
+  a CRC-32C per record, its index recovered when the client starts again), FIFO eviction in our GC's band;
 - ``mooncake-standalone``: the same store with its real client as a process of its own
   (``mooncake_client``, the segment and the SSD offload) and SGLang as its dummy client
   (``standalone_storage``): the segment outlives an SGLang restart (Mooncake's deployment guide, mode B);
@@ -215,6 +218,27 @@ def _mooncake_offload_env(cap: int) -> dict:
 MOONCAKE_OFFLOAD_HOW = "bucket backend, {cap} B cap, LRU from 90 % to 85 %, one object per bucket, 1 s heartbeat, io_uring"
 
 
+def _mooncake_strict_env(cap: int) -> dict:
+    """Mooncake's durable SSD backend (mooncake-transfer-engine 0.3.13.post1 carries kvcache-ai/Mooncake#2932):
+    one preallocated data file of ``cap`` bytes (``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES`` is its size and
+    its only cap), ``strict`` persistence (each offload batch durable before it counts; the other modes
+    checkpoint every N s or not at all), a CRC-32C per record (its default), and at start the index rebuilt
+    from the persisted metadata: on the dev VM all 600 pages came back byte-exact after a client restart
+    (``docs_internal/peers.md``).
+    Eviction FIFO (its only policy besides none; LRU is not implemented in this version) from 90 % of the
+    file down to 85 %. Heartbeat and io_uring as the bucket tiers'."""
+    return {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "offset_allocator_storage_backend",
+            "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap), "MOONCAKE_OFFSET_PERSIST_MODE": "strict",
+            "MOONCAKE_OFFSET_EVICTION_POLICY": "fifo", "MOONCAKE_OFFSET_HIGH_RATIO": f"{EVICT_HIGH:g}",
+            "MOONCAKE_OFFSET_LOW_RATIO": f"{EVICT_LOW:g}",
+            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1", "MOONCAKE_OFFLOAD_USE_URING": "1"}
+
+
+MOONCAKE_STRICT_HOW = ("offset-allocator backend in strict persistence (every offload batch durable, CRC-32C per "
+                       "record, index recovered at start), one {cap} B file, FIFO from 90 % to 85 %, 1 s heartbeat, "
+                       "io_uring")
+
+
 def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
     t.error = probe_import("mooncake.store")
     for program in programs:
@@ -229,8 +253,11 @@ def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
     return t
 
 
-def tier_mooncake(s: TierSettings) -> Tier:
-    d = os.path.join(s.dir("mooncake"), "ssd")
+def tier_mooncake(s: TierSettings, name: str = "mooncake") -> Tier:
+    """The real client embedded in the SGLang process (its DRAM segment and SSD offload go and come with the
+    server); ``mooncake-strict`` is the same with the durable offset-allocator backend."""
+    strict = name == "mooncake-strict"
+    d = os.path.join(s.dir(name), "ssd")
     cap = int(s.disk_gb * GB)
     master = _mooncake_master(s)
     cfg = {"master_server_address": f"127.0.0.1:{master.port}", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
@@ -238,12 +265,13 @@ def tier_mooncake(s: TierSettings) -> Tier:
            "global_segment_size": f"{s.mooncake_segment_gb:g}gb", "enable_ssd_offload": True, "ssd_offload_path": d,
            **_threshold(s)}
     args = _hicache(s) + ["--hicache-storage-backend", "mooncake"] + _extra(cfg)
+    how = (MOONCAKE_STRICT_HOW if strict else MOONCAKE_OFFLOAD_HOW).format(cap=cap)
+    env = _mooncake_strict_env(cap) if strict else _mooncake_offload_env(cap)
     return _mooncake_probe(Tier(
-        "mooncake", args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, TCP, "
+        name, args, f"Mooncake Store: mooncake_master --enable_offload=true on 127.0.0.1:{master.port}, TCP, "
         f"embedded real client with a {s.mooncake_segment_gb:g} GB DRAM segment (on top of the host pool "
-        f"{s.host_gb} GB) and SSD offload to {d} ({MOONCAKE_OFFLOAD_HOW.format(cap=cap)}), "
-        f"{_prefetch_how(s)}",
-        env={**_mooncake_offload_env(cap), "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}, services=[master],
+        f"{s.host_gb} GB) and SSD offload to {d} ({how}), {_prefetch_how(s)}",
+        env={**env, "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}, services=[master],
         storage_dirs=[d]), ("mooncake_master",))
 
 
@@ -406,7 +434,7 @@ def tier_ours(s: TierSettings, engine: str) -> Tier:
 
 def all_tiers(s: TierSettings) -> list:
     return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s),
-             tier_mooncake_standalone(s), tier_lmcache(s), tier_lmcache_raw_block(s)]
+             tier_mooncake(s, "mooncake-strict"), tier_mooncake_standalone(s), tier_lmcache(s), tier_lmcache_raw_block(s)]
             + [tier_ours(s, e) for e in read_engines()])
 
 

@@ -209,8 +209,8 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     s = _settings(tmp_path)
     by = {t.name: t for t in tiers.all_tiers(s)}
     engines = tiers.read_engines()
-    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "mooncake-standalone", "lmcache",
-                        "lmcache-raw-block"] + [f"cp-l3-{e}" for e in engines]
+    assert list(by) == ["no-hicache", "hicache-l2", "file", "nixl", "mooncake", "mooncake-strict",
+                        "mooncake-standalone", "lmcache", "lmcache-raw-block"] + [f"cp-l3-{e}" for e in engines]
     cmd = {n: bench.harness.ServerProcess(bench.ttft.MODELS["small"], t.args).command() for n, t in by.items()}
     for c in cmd.values():
         assert c[1:3] == ["-m", "sglang.launch_server"] and "--load-format" in c
@@ -254,6 +254,20 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     assert (m.env["MOONCAKE_OFFLOAD_DISK_EVICTION_HIGH_WATERMARK_RATIO"],
             m.env["MOONCAKE_OFFLOAD_DISK_EVICTION_LOW_WATERMARK_RATIO"]) == ("0.9", "0.85")
     assert "mooncake" in cmd["mooncake"]
+
+    mst = by["mooncake-strict"]
+    (smaster,) = mst.services
+    assert cmd["mooncake-strict"][cmd["mooncake-strict"].index("--hicache-storage-backend") + 1] == "mooncake"
+    assert _extra(mst.args) == {**cfg, "master_server_address": f"127.0.0.1:{smaster.port}",
+                                "ssd_offload_path": mst.storage_dirs[0]} and mst.storage_dirs != m.storage_dirs
+    # the durable backend: one file of the disk budget, every offload batch durable, its index recovered at start,
+    # FIFO (its only eviction policy) in our band; the bucket backend's keys are not its own
+    assert mst.env == {"MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "offset_allocator_storage_backend",
+                       "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(3 * 10**9), "MOONCAKE_OFFSET_PERSIST_MODE": "strict",
+                       "MOONCAKE_OFFSET_EVICTION_POLICY": "fifo", "MOONCAKE_OFFSET_HIGH_RATIO": "0.9",
+                       "MOONCAKE_OFFSET_LOW_RATIO": "0.85", "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1",
+                       "MOONCAKE_OFFLOAD_USE_URING": "1", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
+    assert "strict persistence" in mst.how and "bucket" not in mst.how and "bucket" in m.how
 
     ms = by["mooncake-standalone"]
     master, client = ms.services  # started in this order, each once its port listens
