@@ -559,8 +559,22 @@ def settings(args, model: Optional[str] = None) -> peer_tiers.TierSettings:
                                    io_threads=args.io_threads,
                                    gil_switch_interval_ms=args.gil_switch_interval_ms,
                                    mooncake_segment_gb=args.mooncake_segment_gb,
-                                   kv_bytes_per_token=ttft.kv_bytes_per_token(model, indexer=False) if model else 0,
+                                   kv_bytes_per_token=lmcache_bytes_per_token(model, getattr(args, "kv_cache_dtype", "")),
                                    l3_toml=ttft.write_l3_toml)
+
+
+def lmcache_bytes_per_token(model: Optional[str], kv_cache_dtype: Optional[str]) -> int:
+    """KV bytes one token takes in an LMCache chunk: the KV row at the cache's dtype (bf16 unless an fp8
+    ``--kv-cache-dtype``) plus a DSA model's indexer row, which LMCache keeps in the same object; 0 where
+    the model's config cannot be read (a name that is not a model directory: the tier that needs it says so)."""
+    if not model:
+        return 0
+    try:
+        kv = ttft.kv_bytes_per_token(model, indexer=False)
+        indexer = ttft.kv_bytes_per_token(model, indexer=True) - kv
+    except (OSError, ValueError, KeyError):
+        return 0
+    return (kv // 2 if kv_cache_dtype and kv_cache_dtype.startswith("fp8") else kv) + indexer
 
 
 def tier_names(args):
@@ -712,8 +726,8 @@ def cmd_commands(args) -> int:
             print(f"mkdir -p -m 700 {shlex.join(t.storage_dirs)}")
         for path, text in t.files.items():
             print(f"cat > {shlex.quote(path)} <<'EOF'\n{text}EOF")
-        for path, size in t.presized.items():
-            print(f"fallocate -l {size} {shlex.quote(path)}")
+        for path, size in t.presized.items():  # a new file, as prepare() makes it: no index of an earlier run
+            print(f"rm -f {shlex.quote(path)} && fallocate -l {size} {shlex.quote(path)}")
         if t.name.startswith("cp-l3-"):
             print(f"# {t.args[t.args.index('--cp-l3-config') + 1]}: written by bench_server_ttft.write_l3_toml")
         for x in t.services:  # with the environment run() gives it (Mooncake's client takes its SSD offload there)

@@ -32,7 +32,7 @@ policy. Each peer runs with its own SGLang flags and the settings its documentat
   ``max_capacity_gb`` is not read);
 - ``lmcache-raw-block``: the same server with its ``raw_block`` L2 adapter instead: fixed slots with a
   header each in one preallocated file of ``disk_gb``, O_DIRECT, io_uring, its slot index checkpointed to
-  the file every second and verified against the slot headers when the server starts again;
+  the file (every 60 s and when the server stops) and verified against the slot headers when it starts;
 - ``cp-l3-<engine>``: ours, ``--enable-cp-l3`` on HiCache, one tier per read engine the L3 config
   accepts (``sglang_cp.l3.config.READ_ENGINES``).
 
@@ -101,7 +101,9 @@ class TierSettings:
     # our L3's io.gil_switch_interval_ms (0: the interpreter's own 5 ms); the docs set 0.5 for fast drives
     gil_switch_interval_ms: float = 0.0
     mooncake_segment_gb: float = 4.0  # Mooncake's own DRAM segment (the SSD-offload guide's example)
-    kv_bytes_per_token: int = 0  # the model's KV bytes per token (0: not known; raw_block's slot size needs it)
+    # KV bytes one token takes in an LMCache chunk: the KV row at the cache's dtype, plus a DSA model's indexer
+    # row (LMCache keeps both in one object); 0: not known (raw_block's slot size needs it)
+    kv_bytes_per_token: int = 0
     # upstream's prefetch_threshold for every HiCache storage tier alike (None: upstream's default, 256)
     prefetch_threshold: Optional[int] = None
     # bench_server_ttft.write_l3_toml (root, capacity_gb, threads, engine, switch_ms)
@@ -365,7 +367,6 @@ def tier_lmcache(s: TierSettings) -> Tier:
 
 LMCACHE_CHUNK_TOKENS = 256  # the LMCache server's chunk (its --chunk-size default): one L2 object each
 RAW_BLOCK_ALIGN = 4096  # raw_block's block_align and header_bytes defaults
-RAW_BLOCK_CHECKPOINT_S = 1  # its slot index to the file every second (default 60: see tier_lmcache_raw_block)
 RAW_BLOCK_NEEDS = ("the lmcache_rust_raw_block_io package (LMCache's raw_block I/O crate; LMCache 0.5.6 neither "
                    "builds nor pins it: pip install --pre lmcache-rust-raw-block-io, whose Python API matches the "
                    "0.5.6 crate's source)")
@@ -375,26 +376,26 @@ def tier_lmcache_raw_block(s: TierSettings) -> Tier:
     """LMCache's ``raw_block`` L2 adapter: one preallocated file of fixed slots, a header per slot, O_DIRECT
     and io_uring, its slot index checkpointed into the file and checked against the slot headers at start.
 
-    - A slot holds one of the server's 256-token chunks: the chunk's KV bytes rounded up to the 4 KiB
-      alignment, plus the 4 KiB header (a payload larger than its slot is refused, not split).
-    - The index checkpoint every second, not its default 60 s: objects stored after the last checkpoint are
-      not found after a restart of the server holding them, and the harness stops a server within seconds of
-      its last answer (as Mooncake's offload heartbeat is set to Mooncake's own tests' 1 s).
+    - A slot holds one of the server's 256-token chunks: the chunk's bytes (``kv_bytes_per_token``: KV at the
+      cache's dtype plus a DSA model's indexer row) rounded up to the 4 KiB alignment, plus the 4 KiB header.
+      A payload larger than its slot is refused, not split; a smaller one still takes a whole slot.
+    - The index checkpoint at its default 60 s: the server writes a last one when it stops (SIGTERM, as the
+      harness stops its services), so a shorter interval would only cost snapshots under the index's lock.
     - Load and store workers: our I/O threads each (defaults 4 and 2), the thread budget ours reads with.
-    - The file is preallocated to the disk budget, as our slabs are (du counts it whole)."""
+    - The file is preallocated to the disk budget, as our slabs are (du counts it whole); its 256 MiB index
+      area is inside it."""
     d = os.path.join(s.dir("lmcache-raw-block"), "rb")
     path = os.path.join(d, "kv.raw")
     cap = int(s.disk_gb * GB)
     chunk = LMCACHE_CHUNK_TOKENS * s.kv_bytes_per_token
     slot = -(-chunk // RAW_BLOCK_ALIGN) * RAW_BLOCK_ALIGN + RAW_BLOCK_ALIGN
     adapter = {"type": "raw_block", "device_path": path, "slot_bytes": slot, "capacity_bytes": cap,
-               "use_odirect": True, "io_engine": "io_uring", "meta_checkpoint_interval_sec": RAW_BLOCK_CHECKPOINT_S,
-               "num_load_workers": s.io_threads, "num_store_workers": s.io_threads, "eviction": _lmcache_eviction()}
+               "use_odirect": True, "io_engine": "io_uring", "num_load_workers": s.io_threads, "num_store_workers": s.io_threads, "eviction": _lmcache_eviction()}
     t = _lmcache_tier(s, "lmcache-raw-block", adapter,
                       f"raw_block L2 adapter: {path} preallocated to {s.disk_gb:g} GB (du counts it whole), "
                       f"{slot} B slots (a {LMCACHE_CHUNK_TOKENS}-token chunk + its header), O_DIRECT, io_uring, "
-                      f"{s.io_threads} load and {s.io_threads} store workers, slot index checkpointed every "
-                      f"{RAW_BLOCK_CHECKPOINT_S} s (default 60) and verified at start, LRU from 90 % to 85 %", d,
+                      f"{s.io_threads} load and {s.io_threads} store workers, slot index checkpointed every 60 s "
+                      f"and at stop, verified at start, LRU from 90 % to 85 %", d,
                       presized={path: cap},
                       probes=(("lmcache_rust_raw_block_io", RAW_BLOCK_NEEDS),))
     if not s.kv_bytes_per_token and not t.error:

@@ -305,11 +305,10 @@ def test_every_tier_is_a_launch_server_command_with_its_peers_flags(tmp_path):
     rba = json.loads(rsrv.argv[rsrv.argv.index("--l2-adapter") + 1])
     (path,) = rb.presized
     # a slot is one 256-token chunk of the model's KV (rounded to the 4 KiB alignment) plus its 4 KiB header,
-    # in one file preallocated to the disk budget in bytes; the index checkpoint every second, not every 60 s
+    # in one file preallocated to the disk budget in bytes; its index checkpoint at LMCache's default
     assert rba == {"type": "raw_block", "device_path": path, "slot_bytes": 256 * 36864 + 4096,
                    "capacity_bytes": 3 * 10**9, "use_odirect": True, "io_engine": "io_uring",
-                   "meta_checkpoint_interval_sec": 1, "num_load_workers": 8, "num_store_workers": 8,
-                   "eviction": adapter["eviction"]}
+                   "num_load_workers": 8, "num_store_workers": 8, "eviction": adapter["eviction"]}
     assert rb.presized == {path: 3 * 10**9} and os.path.dirname(path) == rb.storage_dirs[0] != lm.storage_dirs[0]
     assert "--enable-lmcache" in cmd["lmcache-raw-block"] and rb.env == lm.env
     odd = {t.name: t for t in tiers.all_tiers(_settings(tmp_path, kv_bytes_per_token=36866))}["lmcache-raw-block"]
@@ -349,6 +348,21 @@ def test_probe_import_carries_the_exact_error_and_prepare_writes_private_configs
     cfg = load_l3_config(ours.args[ours.args.index("--cp-l3-config") + 1])
     assert cfg.io.read_engine == "python" and cfg.disks[0].path == ours.storage_dirs[0]
     assert cfg.io.gil_switch_interval_ms == 0.0 and "gil_switch" not in ours.how
+
+
+def test_an_lmcache_chunk_is_the_kv_at_its_dtype_plus_a_dsa_models_indexer(tmp_path):
+    """raw_block refuses a chunk larger than its slot: a DSA model's chunk carries its indexer rows too
+    (LMCache keeps them in the chunk's object), and fp8 KV halves the KV rows but not the indexer's."""
+    small, dsa = bench.ttft.MODELS["small"], bench.ttft.MODELS["glm5-dsa"]
+    kv = bench.ttft.kv_bytes_per_token(dsa, indexer=False)
+    indexer = bench.ttft.kv_bytes_per_token(dsa) - kv
+    assert indexer > 0 and bench.ttft.kv_bytes_per_token(small) == bench.ttft.kv_bytes_per_token(small, indexer=False)
+    assert bench.lmcache_bytes_per_token(small, "") == 36864 == 2 * bench.lmcache_bytes_per_token(small, "fp8_e4m3")
+    assert bench.lmcache_bytes_per_token(dsa, "") == kv + indexer
+    assert bench.lmcache_bytes_per_token(dsa, "fp8_e4m3") == kv // 2 + indexer
+    assert bench.lmcache_bytes_per_token(str(tmp_path / "not-a-model"), "") == 0
+    rb = {t.name: t for t in tiers.all_tiers(_settings(tmp_path, kv_bytes_per_token=0))}["lmcache-raw-block"]
+    assert rb.error and rb.needs  # unknown chunk size: the row says so (LMCache's own error first where it is missing)
 
 
 def test_a_presized_file_is_preallocated_private_and_new(tmp_path):
@@ -1036,7 +1050,7 @@ def test_printed_commands_carry_each_services_environment_and_make_the_storage_d
     assert bench.main(["commands", "--work-dir", str(work), "--disk-gb", "2", "--tiers", "lmcache-raw-block"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rb = str(work / "lmcache-raw-block" / "rb")
-    assert lines.index(f"mkdir -p -m 700 {rb}") < lines.index(f"fallocate -l {2 * 10**9} {rb}/kv.raw")
+    assert lines.index(f"mkdir -p -m 700 {rb}") < lines.index(f"rm -f {rb}/kv.raw && fallocate -l {2 * 10**9} {rb}/kv.raw")
     server = next(x for x in lines if x.startswith("LMCACHE_TRACK_USAGE=false lmcache server "))
     assert f'"slot_bytes":{256 * bench.ttft.kv_bytes_per_token(bench.ttft.MODELS["small"], indexer=False) + 4096}' in server
 
