@@ -23,6 +23,7 @@ lost nothing: the replay's concurrency kept those blocks out of every tier.
 
 from __future__ import annotations
 
+import math
 import os
 
 from benchmark.hicache import peer_workloads as wl
@@ -398,6 +399,22 @@ def markdown(result: dict, rows: list) -> str:
     return "\n".join(parts) + "\n"
 
 
+def log_ticks(values) -> list:
+    """Tick positions 1, 2, 5 x 10^k spanning ``values`` (positive), at least the two around them: a log
+    axis's labels that neither overlap nor leave a range under a decade unlabelled."""
+    xs = [v for v in values if v and v > 0]
+    if not xs:
+        return []
+    lo, hi = min(xs), max(xs)
+    e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    steps = [m * 10.0 ** e for e in range(e0, e1 + 1) for m in (1, 2, 5)]
+    inside = [t for t in steps if lo <= t <= hi]
+    below = [t for t in steps if t < lo][-1:]
+    above = [t for t in steps if t > hi][:1]
+    ticks = inside if len(inside) >= 2 else below + inside + above
+    return [float(f"{t:.6g}") for t in ticks]
+
+
 def plots(result: dict, rows: list, out_dir: str) -> list:
     """The three PNGs; [] without matplotlib."""
     try:
@@ -418,6 +435,15 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
             if xs:
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label(t))
         ax.set_xscale("log")
+        xs = [x for line in ax.get_lines() for x in line.get_xdata() if x > 0]
+        ticks = log_ticks(xs)
+        if ticks:  # labels 1-2-5 in seconds; matplotlib's own minor labels overlap on a range under a decade
+            from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+            ax.set_xlim(min(ticks[0], min(xs)) / 1.05, max(ticks[-1], max(xs)) * 1.05)
+            ax.xaxis.set_major_locator(FixedLocator(ticks))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("TTFT (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"TTFT CDF, {phase}")

@@ -489,6 +489,16 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
 
 
+def test_ttft_axis_ticks_are_1_2_5_and_never_fewer_than_two():
+    """The CDF's log axis: matplotlib labelled minor ticks on a range under a decade, overlapping
+    ("2x10^-1 3x10^-1 4x10^-1 ..."); now 1-2-5 ticks in plain seconds, two at least."""
+    assert report.log_ticks([0.11, 0.39, 5.96]) == [0.2, 0.5, 1.0, 2.0, 5.0]
+    assert report.log_ticks([0.15, 3.86]) == [0.2, 0.5, 1.0, 2.0]
+    assert report.log_ticks([0.25, 0.29]) == [0.2, 0.5]  # none inside: the two around it
+    assert report.log_ticks([0.3]) == [0.2, 0.5]
+    assert report.log_ticks([0.0, None]) == []
+
+
 def test_report_puts_the_page_cache_share_and_the_disks_reads_beside_a_tiers_disk_bytes(tmp_path):
     res = synthetic_result()
     res["tiers"][1]["phases"]["restart"]["page_cache"] = {"resident": 1.5e9, "files": 3, "unread": 0}
