@@ -113,7 +113,7 @@ def build_workload(args, model_dir: str) -> tuple:
                 f"working set {ws / GB:.1f} GB vs pools {(args.device_tokens * bpt) / GB + args.hicache_size:.1f} GB")
         args.loop = "closed"
         note = wl.device_pool_note(args.device_tokens, args.concurrency, args.doc_tokens + args.suffix_tokens,
-                                   args.max_new_tokens or 1, ttft.PAGE)
+                                   args.max_new_tokens or 1)
         if note:
             desc += f"; {note}"
     for note in pool_notes(args, model_dir, prompts):

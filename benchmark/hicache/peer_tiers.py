@@ -55,6 +55,7 @@ GIB = 1 << 30  # LMCache's max_capacity_gb unit
 # Disk-eviction band for the peers whose trigger is configurable: start at 90 % of the cap and free down
 # to 85 %, as our L3's GC does by default (gc.high_watermark / gc.low_watermark).
 EVICT_HIGH, EVICT_LOW = 0.90, 0.85
+BAND = f"from {EVICT_HIGH:.0%} to {EVICT_LOW:.0%}".replace("%", " %")  # how a tier's "how" line says it
 
 
 @dataclass
@@ -195,6 +196,10 @@ def _mooncake_master(s: TierSettings) -> Service:
     return Service("mooncake_master", ["mooncake_master", f"--rpc_port={port}", "--enable_offload=true"], port)
 
 
+# Every Mooncake tier's offload pacing and reads: a 1 s heartbeat and io_uring (_mooncake_offload_env says why)
+MOONCAKE_PACING = {"MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1", "MOONCAKE_OFFLOAD_USE_URING": "1"}
+
+
 def _mooncake_offload_env(cap: int) -> dict:
     """Mooncake's SSD offload of its real client: the bucket backend capped at ``cap`` bytes, LRU eviction
     in our GC's band, a bucket per object, a 1 s offload heartbeat and io_uring.
@@ -214,10 +219,10 @@ def _mooncake_offload_env(cap: int) -> dict:
             "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY": "lru", "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1",
             "MOONCAKE_OFFLOAD_DISK_EVICTION_HIGH_WATERMARK_RATIO": f"{EVICT_HIGH:g}",
             "MOONCAKE_OFFLOAD_DISK_EVICTION_LOW_WATERMARK_RATIO": f"{EVICT_LOW:g}",
-            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1", "MOONCAKE_OFFLOAD_USE_URING": "1"}
+            **MOONCAKE_PACING}
 
 
-MOONCAKE_OFFLOAD_HOW = "bucket backend, {cap} B cap, LRU from 90 % to 85 %, one object per bucket, 1 s heartbeat, io_uring"
+MOONCAKE_OFFLOAD_HOW = f"bucket backend, {{cap}} B cap, LRU {BAND}, one object per bucket, 1 s heartbeat, io_uring"
 
 
 def _mooncake_strict_env(cap: int) -> dict:
@@ -233,11 +238,11 @@ def _mooncake_strict_env(cap: int) -> dict:
             "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(cap), "MOONCAKE_OFFSET_PERSIST_MODE": "strict",
             "MOONCAKE_OFFSET_EVICTION_POLICY": "fifo", "MOONCAKE_OFFSET_HIGH_RATIO": f"{EVICT_HIGH:g}",
             "MOONCAKE_OFFSET_LOW_RATIO": f"{EVICT_LOW:g}",
-            "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS": "1", "MOONCAKE_OFFLOAD_USE_URING": "1"}
+            **MOONCAKE_PACING}
 
 
 MOONCAKE_STRICT_HOW = ("offset-allocator backend in strict persistence (every offload batch durable, CRC-32C per "
-                       "record, index recovered at start), one {cap} B file, FIFO from 90 % to 85 %, 1 s heartbeat, "
+                       f"record, index recovered at start), one {{cap}} B file, FIFO {BAND}, 1 s heartbeat, "
                        "io_uring")
 
 
@@ -255,10 +260,10 @@ def _mooncake_probe(t: Tier, programs: tuple) -> Tier:
     return t
 
 
-def tier_mooncake(s: TierSettings, name: str = "mooncake") -> Tier:
+def tier_mooncake(s: TierSettings, strict: bool = False) -> Tier:
     """The real client embedded in the SGLang process (its DRAM segment and SSD offload go and come with the
-    server); ``mooncake-strict`` is the same with the durable offset-allocator backend."""
-    strict = name == "mooncake-strict"
+    server); ``strict``: the same with the durable offset-allocator backend (``mooncake-strict``)."""
+    name = "mooncake-strict" if strict else "mooncake"
     d = os.path.join(s.dir(name), "ssd")
     cap = int(s.disk_gb * GB)
     master = _mooncake_master(s)
@@ -304,8 +309,7 @@ def tier_mooncake_standalone(s: TierSettings) -> Tier:
 LMCACHE_L1_EVICTION_RATIO = 0.05
 
 
-def _lmcache_tier(s: TierSettings, name: str, adapter: dict, adapter_how: str, storage: str,
-                  presized: Optional[dict] = None, probes: tuple = ()) -> Tier:
+def _lmcache_tier(s: TierSettings, name: str, adapter: dict, adapter_how: str, storage: str) -> Tier:
     """A real ``lmcache server`` (multiprocess mode) with ``adapter`` as its L2 and SGLang's LMCache
     connector; ``storage`` is where its L2 lands."""
     root = s.dir(name)
@@ -328,18 +332,14 @@ def _lmcache_tier(s: TierSettings, name: str, adapter: dict, adapter_how: str, s
              f"its own prefetch (no --hicache-storage-prefetch-policy"
              + ("" if s.prefetch_threshold is None else " or prefetch threshold") + ")",
              env=quiet, services=[server], storage_dirs=[storage],
-             files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"}, presized=dict(presized or {}))
+             files={yaml: f"mp_host: 127.0.0.1\nmp_port: {port}\n"})
     # Its CUDA kernels load only on a GPU server, so a build against another torch fails there, not at
     # import of the connector: probe them too, for the exact error.
     t.error = (probe_import("lmcache.integration.sglang.unified_lmcache_mp_connector")
                or probe_import("lmcache.cuda_ops"))
-    for module, needs in probes:
-        if not t.error:
-            t.error = probe_import(module)
-            t.needs = needs if t.error else None
     if not t.error and shutil.which("lmcache") is None:
         t.error = "lmcache: not found on PATH"
-    if t.error and not t.needs:
+    if t.error:
         t.needs = ("an LMCache whose CUDA kernels (lmcache.cuda_ops) are built against this torch: pip install "
                    "lmcache, or where its wheel was built against another torch (an undefined c10 symbol above), "
                    "build it from its source release with this torch and a matching nvcc (docs/benchmarks.md, "
@@ -362,7 +362,7 @@ def tier_lmcache(s: TierSettings) -> Tier:
                "max_capacity_gb": round(cap_gib, 6), "eviction": _lmcache_eviction()}
     return _lmcache_tier(s, "lmcache", adapter,
                          f"fs_native L2 adapter in {d} ({s.io_threads} workers, O_DIRECT) capped at {s.disk_gb:g} GB "
-                         f"({cap_gib:.3f} GiB, LRU from 90 % to 85 %)", d)
+                         f"({cap_gib:.3f} GiB, LRU {BAND})", d)
 
 
 LMCACHE_CHUNK_TOKENS = 256  # the LMCache server's chunk (its --chunk-size default): one L2 object each
@@ -395,9 +395,11 @@ def tier_lmcache_raw_block(s: TierSettings) -> Tier:
                       f"raw_block L2 adapter: {path} preallocated to {s.disk_gb:g} GB (du counts it whole), "
                       f"{slot} B slots (a {LMCACHE_CHUNK_TOKENS}-token chunk + its header), O_DIRECT, io_uring, "
                       f"{s.io_threads} load and {s.io_threads} store workers, slot index checkpointed every 60 s "
-                      f"and at stop, verified at start, LRU from 90 % to 85 %", d,
-                      presized={path: cap},
-                      probes=(("lmcache_rust_raw_block_io", RAW_BLOCK_NEEDS),))
+                      f"and at stop, verified at start, LRU {BAND}", d)
+    t.presized = {path: cap}
+    if not t.error:
+        t.error = probe_import("lmcache_rust_raw_block_io")
+        t.needs = RAW_BLOCK_NEEDS if t.error else None
     if not s.kv_bytes_per_token and not t.error:
         t.error = "raw_block slots are sized from the model's KV bytes per token, which these settings lack"
         t.needs = "TierSettings.kv_bytes_per_token (bench_peers sets it from the model)"
@@ -435,7 +437,7 @@ def tier_ours(s: TierSettings, engine: str) -> Tier:
 
 def all_tiers(s: TierSettings) -> list:
     return ([tier_no_hicache(s), tier_hicache_l2(s), tier_file(s), tier_nixl(s), tier_mooncake(s),
-             tier_mooncake(s, "mooncake-strict"), tier_mooncake_standalone(s), tier_lmcache(s), tier_lmcache_raw_block(s)]
+             tier_mooncake(s, strict=True), tier_mooncake_standalone(s), tier_lmcache(s), tier_lmcache_raw_block(s)]
             + [tier_ours(s, e) for e in read_engines()])
 
 

@@ -357,7 +357,7 @@ def storm_docs_needed(device_tokens: int, host_bytes: int, kv_bytes_per_token: i
 
 
 def device_pool_note(device_tokens: int, concurrency: int, prompt_tokens: int, output_tokens: int = 1,
-                     page_tokens: int = 64) -> str | None:
+                     page_tokens: int = PAGE) -> str | None:
     """None when the device pool holds every client's request at once (its prompt and its output, in whole
     pages: what a running request takes); else one line on what upstream does then. A queued request's
     matched device prefix is evicted by the running ones before it is admitted; upstream re-issues its
