@@ -567,7 +567,8 @@ def merge(results: list) -> dict:
             tiers[label(t)] = t
     meta = dict(base["meta"])
     meta["runs"] = [x for r in results for x in (r["meta"].get("runs") or [r["meta"].get("started")])]  # a merged input keeps its runs
-    meta["warm_up_per_run"] = [bool(r["meta"].get("warm_up")) for r in results]
+    meta["warm_up_per_run"] = [x for r in results  # one flag per run, as "runs": a merged input keeps its own
+                               for x in (r["meta"].get("warm_up_per_run") or [bool(r["meta"].get("warm_up"))])]
     return {**base, "meta": meta, "tiers": list(tiers.values())}
 
 

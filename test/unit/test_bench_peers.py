@@ -544,6 +544,10 @@ def test_report_merges_runs_that_each_measured_some_tiers(tmp_path):
     assert merged["meta"]["runs"] == ["t1", "t2"]
     assert report.merge([merged])["meta"]["runs"] == ["t1", "t2"]  # a merged result merged again keeps its runs
     assert report.merge([merged, a])["meta"]["runs"] == ["t1", "t2", "t1"]
+    # which runs had no warm-up server, one flag per run, also through a merged input
+    a["meta"]["warm_up"], b["meta"]["warm_up"] = {"wall_s": 1.0}, None
+    twice = report.merge([report.merge([a, b]), a])["meta"]
+    assert twice["runs"] == ["t1", "t2", "t1"] and twice["warm_up_per_run"] == [True, False, True]
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
