@@ -68,6 +68,7 @@ from benchmark.hicache.peer_tiers import du_bytes  # bytes a tier's storage hold
 from benchmark.hicache import peer_workloads as wl
 from benchmark.support import block_io  # what its disk read and wrote in a phase
 from benchmark.support import page_cache  # what of a tier's storage the page cache holds
+from benchmark.support import ram_hold  # --free-ram-gb: the host's spare RAM held, alike for every tier
 from benchmark.support import server_process as harness  # the real-server harness
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -378,7 +379,15 @@ def settle(srv, tier: peer_tiers.Tier) -> float:
     return time.monotonic() - t0
 
 
-def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args) -> dict:
+def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args,
+              hold: Optional[ram_hold.RamHold] = None) -> dict:
+    """One measured pass of the workload on a started server. With ``hold`` (``--free-ram-gb``) the host's
+    spare RAM is held down to its goal first and given back room after the settle, so the phase and the
+    backups it started run on the same page-cache room in every tier."""
+    tightened = hold.tighten() if hold is not None else None
+    if tightened is not None:
+        log(f"[{tier.name}] RAM held: {tightened['held'] / GB:.1f} GB, {ram_hold.available() / GB:.1f} GB left "
+            f"available (goal {hold.leave / GB:.1f}; {tightened['wait_s']:.1f} s to reach it)")
     pids = [srv.proc.pid]
     spids = [s.proc.pid for s in services]
     cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
@@ -387,6 +396,13 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     io0 = block_io.counters(disk) if disk else None
     rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
     settled = settle(srv, tier)
+    held = None
+    if hold is not None:
+        held = {**hold.phase_stats(), "wait_s": tightened["wait_s"], "reached": tightened["reached"]}
+        hold.loosen(start_room(args))
+        if not held["alive"]:
+            log(f"[{tier.name}] WARNING the RAM holder died in the phase (the kernel's OOM killer takes it "
+                "first): the phase ran with more page cache than --free-ram-gb")
     disk_io = counter_deltas(io0, block_io.counters(disk) if disk else None)
     cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)  # after the settle: the backups' work is charged too
     counters = counter_deltas(counters0, storage_counters(srv))
@@ -410,7 +426,17 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
             "fs_used_pct": None if fs is None else fs["used_pct"],
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,
-            "storage_counters": counters}
+            "storage_counters": counters, **({"ram_hold": held} if held is not None else {})}
+
+
+def start_room(args) -> int:
+    """Bytes left available beyond --free-ram-gb while a server or a side service starts: its host pool,
+    Mooncake's DRAM segment and the processes' own memory (imports, CUDA context) need room that reclaiming
+    the page cache cannot make, and a start squeezed below it is killed, not slowed."""
+    return int((args.hicache_size + args.mooncake_segment_gb + START_ROOM_GB) * GB)
+
+
+START_ROOM_GB = 24.0  # the processes of one server and its side services, beyond its host pool and segment
 
 
 def warm_up(prompts: list, tokens, args, model: str, model_flags: list, common: dict, base_env: dict) -> dict:
@@ -453,7 +479,8 @@ def start_services(tier: peer_tiers.Tier, args, into: list) -> None:
 
 
 def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, tokens, args, model: str,
-             model_flags: list, common: dict, base_env: dict, saved=lambda rec: None) -> dict:
+             model_flags: list, common: dict, base_env: dict, saved=lambda rec: None,
+             hold: Optional[ram_hold.RamHold] = None) -> dict:
     """One tier: replay, then (storage tiers) restart, each phase handed to ``saved`` once measured. Any
     failure ends the tier with an error row, never the run; its services stop and its storage goes."""
     rec = {"name": tier.name, "how": tier.how, "env": tier.env, "services": [x.argv for x in tier.services],
@@ -494,7 +521,7 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
         try:
             warm = wl.BlockTokens(64, tokens.vocab, seed=tokens.seed + 1)
             srv.generate(warm.prompt(wl.Prompt(("warm/0", "warm/1"), 128, 1)), warm_tokens)  # off the clock
-            rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args)
+            rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args, hold)
         finally:
             srv.stop()
         saved(rec)
@@ -514,7 +541,7 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
             rec["restart_command"] = srv.command()
             srv.start()
             try:
-                rec["phases"]["restart"] = run_phase(srv, services, tier, prompts, tokens, args)
+                rec["phases"]["restart"] = run_phase(srv, services, tier, prompts, tokens, args, hold)
             finally:
                 srv.stop()
     except harness.ServerStartError as e:
@@ -548,6 +575,16 @@ def switch_interval_ms(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r}: 0 (the interpreter's own) or {MIN_SWITCH_INTERVAL_MS}-{MAX_SWITCH_INTERVAL_MS} ms")
     return ms
+
+
+def positive_gb(text: str) -> float:
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = 0.0
+    if not gb > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size in GB greater than 0, e.g. 6")
+    return gb
 
 
 def settings(args, model: Optional[str] = None) -> peer_tiers.TierSettings:
@@ -703,11 +740,25 @@ def cmd_run(args) -> int:
     def saved(rec):  # a tier's finished phases, saved before its next one
         write_private_json(out_json, {**result, "tiers": result["tiers"] + [rec]})
 
-    for i, tier in enumerate(tiers):
-        result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env, saved))
-        write_private_json(out_json, result)
-        if i < len(tiers) - 1:  # the last tier's table is the final one, written below
-            peer_report.write_report(result, args.out_dir)  # the table so far, should the run be stopped
+    hold = None
+    if args.free_ram_gb:  # after the warm-up, which measures nothing
+        hold = ram_hold.RamHold(int(args.free_ram_gb * GB))
+        hold.start()
+        hold.loosen(start_room(args))
+        result["meta"]["free_ram_gb"] = args.free_ram_gb
+        log(f"RAM holder started: each phase runs with {args.free_ram_gb:g} GB available beyond what the "
+            f"processes hold ({ram_hold.available() / GB:.1f} GB available now, swap "
+            f"{ram_hold.meminfo().get('SwapTotal', 0) / GB:.1f} GB)")
+    try:
+        for i, tier in enumerate(tiers):
+            result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env, saved,
+                                            hold))
+            write_private_json(out_json, result)
+            if i < len(tiers) - 1:  # the last tier's table is the final one, written below
+                peer_report.write_report(result, args.out_dir)  # the table so far, should the run be stopped
+    finally:
+        if hold is not None:
+            hold.stop()
     for path in peer_report.write_report(result, args.out_dir):
         log(f"wrote {path}")
     print(open(os.path.join(args.out_dir, "peers.md")).read(), flush=True)
@@ -825,6 +876,11 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the warm-up server (HiCache L2, no storage) that serves the workload's prompt "
                         "lengths before the first tier "
                         "(kernels compiled at first use then count in the first tier's first requests)")
+    r.add_argument("--free-ram-gb", type=positive_gb, default=None, metavar="GB",
+                   help="hold the host's spare RAM during each phase so that only this many GB stay available "
+                        "(free memory plus reclaimable page cache), alike for every tier: a host whose working set "
+                        "is larger than its RAM, where a tier reading through the page cache gets no more DRAM than "
+                        "its host pool and this (default: off; the holder is the first the OOM killer takes)")
     r.add_argument("--restart-services", action="store_true",
                    help="restart the side services too (Mooncake master, LMCache server) at the restart")
     r.add_argument("--kv-sensitive", action="store_true",

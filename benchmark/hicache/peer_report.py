@@ -321,6 +321,30 @@ def pool_limits(result: dict) -> list:
                               [p["tokens"] for p in result["prompts"]])
 
 
+def ram_held_lines(result: dict) -> list:
+    """The paragraph a ``--free-ram-gb`` run gets: the RAM every phase had beyond what its processes held,
+    and each phase whose holder died or did not reach its goal (it ran with more page cache than that)."""
+    gb = result.get("meta", {}).get("free_ram_gb")
+    if not gb:
+        return []
+    out = [f"Every phase ran with {gb:g} GB of the host's RAM available beyond what its processes held "
+           "(`--free-ram-gb`: a holder process took the rest, as on a host whose working set is larger than its "
+           "RAM), so no tier's page cache held more than that."]
+    bad = []
+    for t in result["tiers"]:
+        for ph, v in (t.get("phases") or {}).items():
+            h = v.get("ram_hold")
+            if h is None:
+                bad.append(f"`{label(t)}` {ph}: not held")
+            elif not h.get("alive"):
+                bad.append(f"`{label(t)}` {ph}: the holder died (the OOM killer's first pick)")
+            elif not h.get("reached"):
+                bad.append(f"`{label(t)}` {ph}: the goal was not reached before the phase")
+    if bad:
+        out.append("Phases that ran with more: " + "; ".join(bad) + ".")
+    return out
+
+
 def markdown(result: dict, rows: list) -> str:
     meta = result.get("meta", {})
     threshold = threshold_of(result)
@@ -344,6 +368,9 @@ def markdown(result: dict, rows: list) -> str:
         parts += [f"`{COLD.strip()}`: the page cache was synced and dropped before that tier's restart, so its storage "
                   "was read from the disk (as after a host restart, or with a working set larger than RAM); the "
                   "other rows restarted with whatever the page cache still held.", ""]
+    held = ram_held_lines(result)
+    if held:
+        parts += held + [""]
     if any(r.get("lost") is not None for r in rows):
         parts += ["`in flight`: prompt tokens of the ideal whose prompt had not answered when the request was sent "
                   "(no tier could hold them yet: the replay's own concurrency); `lost`: tokens a prompt that had "

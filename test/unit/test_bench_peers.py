@@ -1322,3 +1322,51 @@ def test_a_whole_run_and_a_run_stopped_midway_leave_their_tables_and_nothing_run
         assert not (tmp_path / "w" / "file" / "kv").exists()  # its storage removed
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_run_with_free_ram_holds_the_rest_in_every_phase_and_ends_its_holder(tmp_path, monkeypatch):
+    """--free-ram-gb on the harness's real process lifecycle (a stand-in answering for launch_server) and
+    this host's real memory: every phase of a storage tier runs with the holder at its goal, the table says
+    what every phase had, the holder gives the room back between phases and ends with the run."""
+    from benchmark.support import ram_hold
+
+    avail = ram_hold.available()
+    if avail < 3 << 30:
+        pytest.skip(f"{avail / (1 << 30):.1f} GiB available: too little to hold 1 GiB safely")
+    _args, procs, _services = _tier_run_setup(tmp_path, monkeypatch, FAKE_SERVER)
+    monkeypatch.setattr(bench, "COUNTER_SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "STORAGE_SETTLE_S", 0.1)
+    monkeypatch.setattr(bench, "SETTLE_POLL_S", 0.05)
+    holders = []
+
+    class Seen(ram_hold.RamHold):
+        def start(self):
+            holders.append(self)
+            super().start()
+            self.pid = self._proc.pid
+
+    monkeypatch.setattr(bench.ram_hold, "RamHold", Seen)
+    leave_gb = round((avail - (1 << 30)) / 1e9, 3)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert bench.main(["run", "--model", "small", "--workload", "storm", "--docs", "3", "--allow-small-storm",
+                           "--doc-tokens", "128", "--suffix-tokens", "64", "--block-tokens", "64", "--suffixes", "2",
+                           "--requests", "6", "--concurrency", "2", "--device-tokens", "1024", "--hicache-size", "1",
+                           "--disk-gb", "1", "--no-warm-up", "--tiers", "file", "--free-ram-gb", str(leave_gb),
+                           "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "o")]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    res = json.loads((tmp_path / "o" / "peers.json").read_text())
+    assert res["meta"]["free_ram_gb"] == leave_gb
+    phases = res["tiers"][0]["phases"]
+    assert sorted(phases) == ["replay", "restart"]
+    for ph in phases.values():
+        h = ph["ram_hold"]
+        assert h["alive"] and h["reached"] and h["held"] > 0 and h["leave"] == int(leave_gb * bench.GB)
+    md = (tmp_path / "o" / "peers.md").read_text()
+    assert f"Every phase ran with {leave_gb:g} GB of the host's RAM available" in md and "Phases that ran with more" not in md
+    assert len(holders) == 1 and holders[0]._proc is None
+    assert not os.path.exists(f"/proc/{holders[0].pid}") or open(f"/proc/{holders[0].pid}/stat").read().split()[2] == "Z"
+    # A phase whose holder died is named under the table.
+    res["tiers"][0]["phases"]["restart"]["ram_hold"]["alive"] = False
+    assert "Phases that ran with more: `file` restart: the holder died" in "\n".join(report.ram_held_lines(res))

@@ -1,0 +1,105 @@
+"""benchmark/support/ram_hold.py on this host's real memory: the holder takes what leaves its goal
+available and gives it back, is the OOM killer's first pick, ends with its owner, and (slow) bounds what
+the page cache keeps of a file read through it."""
+
+import os
+import time
+
+import pytest
+
+from benchmark.support import page_cache
+from benchmark.support import ram_hold
+
+GiB = 1 << 30
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_holder_keeps_its_goal_available_and_gives_the_room_back():
+    avail = ram_hold.available()
+    if avail < 3 * GiB:
+        pytest.skip(f"{avail / GiB:.1f} GiB available: too little to hold 1 GiB safely")
+    hold = ram_hold.RamHold(avail - GiB)
+    with pytest.raises(ValueError, match="leave must be > 0"):
+        ram_hold.RamHold(0)
+    hold.start()
+    try:
+        pid = hold._proc.pid
+        with open(f"/proc/{pid}/oom_score_adj") as f:
+            assert f.read().strip() == "1000"  # under pressure the kernel kills the holder, not a server
+        got = hold.tighten()
+        assert got["reached"] and got["alive"]
+        assert abs(got["held"] - GiB) <= 3 * ram_hold.CHUNK  # what leaves the goal available, give or take
+        stats = hold.phase_stats()
+        assert stats["leave"] == avail - GiB and stats["available_min"] <= avail - GiB + 2 * ram_hold.CHUNK
+        hold.loosen(2 * GiB)  # room for a start: more than it holds, so it holds nothing
+        assert hold.phase_stats()["held"] == 0
+    finally:
+        hold.stop()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)  # its owner's stop ends it
+
+
+def test_the_holder_gives_way_when_a_process_grows():
+    """What a server allocates in a phase comes out of the holder, not out of the goal: the holder shrinks
+    (TICK_S by TICK_S) until the host's available memory is back at its goal."""
+    avail = ram_hold.available()
+    if avail < 4 * GiB:
+        pytest.skip(f"{avail / GiB:.1f} GiB available: too little to hold 2 GiB safely")
+    hold = ram_hold.RamHold(avail - 2 * GiB)
+    hold.start()
+    try:
+        before = hold.tighten()["held"]
+        grown = bytearray(GiB)
+        grown[::4096] = b"\x01" * (GiB // 4096)  # a process's new resident GiB
+        deadline = time.monotonic() + 20
+        while hold.phase_stats()["held"] > before - GiB + 2 * ram_hold.CHUNK and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hold.phase_stats()["held"] <= before - GiB + 2 * ram_hold.CHUNK
+        del grown
+    finally:
+        hold.stop()
+
+
+@pytest.mark.slow
+def test_a_file_read_through_the_page_cache_keeps_no_more_than_the_goal(tmp_path):
+    """RED and GREEN in one: a 3 GiB file written and read back through the page cache stays resident
+    without the holder (which is what a buffered tier serves from DRAM), and keeps at most the goal (1 GiB,
+    plus slack for the holder's step) with it."""
+    size = 3 * GiB
+    avail = ram_hold.available()
+    if avail < size + 4 * GiB:
+        pytest.skip(f"{avail / GiB:.1f} GiB available: too little for this check")
+    block = os.urandom(1 << 20) * 64
+
+    def write_and_read(path):
+        with open(path, "wb") as f:
+            for _ in range(size // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
+        return page_cache.file_resident_bytes(path)
+
+    free_run = write_and_read(tmp_path / "a")
+    os.unlink(tmp_path / "a")
+    assert free_run >= size * 0.9  # without the holder, the host's RAM keeps the whole file
+    hold = ram_hold.RamHold(GiB)
+    hold.start()
+    try:
+        assert hold.tighten()["reached"]
+        held_run = write_and_read(tmp_path / "b")
+        assert hold.phase_stats()["alive"]
+    finally:
+        hold.stop()
+    assert held_run <= GiB + 4 * ram_hold.GROW_STEP // 8, f"{held_run / GiB:.2f} GiB resident under a 1 GiB goal"
