@@ -693,8 +693,12 @@ def machine() -> dict:
         except md.PackageNotFoundError:
             continue
     gpu = run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    commit = run(["git", "rev-parse", "--short", "HEAD"])
+    # A copy whose sources differ from its HEAD (a working tree sent without its newest commits, or edits
+    # not committed) is not that commit: the digest says which code ran, and the table says HEAD is not it.
+    changed = run(["git", "status", "--porcelain", "--untracked-files=all", "--", "python/sglang_cp", "benchmark"])
     return {"gpu": gpu.splitlines()[0] if gpu else None, "host": platform.node(),
-            "commit": run(["git", "rev-parse", "--short", "HEAD"]), "source_digest": digest.hexdigest()[:16],
+            "commit": commit, "commit_differs": bool(commit and changed), "source_digest": digest.hexdigest()[:16],
             "versions": versions}
 
 

@@ -391,7 +391,8 @@ def markdown(result: dict, rows: list) -> str:
     m = meta.get("machine") or {}
     if m:
         parts += [f"Machine: {m.get('gpu') or 'GPU unknown'} on {m.get('host')}; code "
-                  + (f"{m['commit']}, " if m.get("commit") else "") + f"sources {m.get('source_digest')}; "
+                  + (f"{m['commit']}{' with changes to its sources' if m.get('commit_differs') else ''}, "
+                     if m.get("commit") else "") + f"sources {m.get('source_digest')}; "
                   + ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items())) + ".", ""]
     if len(meta.get("runs") or ()) > 1:
         warm = meta.get("warm_up_per_run") or []

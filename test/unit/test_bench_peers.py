@@ -1240,6 +1240,11 @@ def test_merge_refuses_runs_of_another_gpu_or_code_and_the_table_names_the_machi
     assert f"Machine: NVIDIA H200, 580.159.04 on {m['host']}; code" in md and f"sources {m['source_digest']}" in md
     assert "consecutive runs at the same code and settings (started t1, t2); runs without a warm-up server: 2." in md
     assert "include hits in the tier's own DRAM" not in md  # no such tier ran
+    assert m["commit_differs"] in (True, False)
+    a["meta"]["machine"] = {**a["meta"]["machine"], "commit": "abc1234", "commit_differs": True}
+    report.write_report(report.merge([a, b]), str(tmp_path))
+    assert "code abc1234 with changes to its sources, sources" in (tmp_path / "peers.md").read_text()
+    a["meta"]["machine"]["commit_differs"] = False
     lm = {"name": "lmcache", "how": "L1 + fs_native", "error": None, "phases": a["tiers"][1]["phases"]}
     report.write_report({**merged, "tiers": merged["tiers"] + [lm]}, str(tmp_path))
     assert "Storage tokens of `lmcache` include hits in the tier's own DRAM" in (tmp_path / "peers.md").read_text()
@@ -1362,10 +1367,14 @@ def test_a_run_with_free_ram_holds_the_rest_in_every_phase_and_ends_its_holder(t
     assert sorted(phases) == ["replay", "restart"]
     for ph in phases.values():
         h = ph["ram_hold"]
-        assert h["alive"] and h["reached"] and h["held"] > 0 and h["leave"] == int(leave_gb * bench.GB)
+        # held is whatever leaves the goal available: other tests' memory beside this one moves it
+        assert h["alive"] and h["reached"] and h["held"] >= 0 and h["leave"] == int(leave_gb * bench.GB)
+        assert h["available_min"] is not None and h["swap_total"] >= 0
     md = (tmp_path / "o" / "peers.md").read_text()
     assert f"Every phase ran with {leave_gb:g} GB of the host's RAM available" in md and "Phases that ran with more" not in md
     assert len(holders) == 1 and holders[0]._proc is None
+    with pytest.raises(SystemExit):  # a goal of 0 GB is refused at parse
+        bench.parser().parse_args(["run", "--work-dir", str(tmp_path), "--free-ram-gb", "0"])
     assert not os.path.exists(f"/proc/{holders[0].pid}") or open(f"/proc/{holders[0].pid}/stat").read().split()[2] == "Z"
     # A phase whose holder died is named under the table.
     res["tiers"][0]["phases"]["restart"]["ram_hold"]["alive"] = False

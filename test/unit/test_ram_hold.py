@@ -1,6 +1,7 @@
 """benchmark/support/ram_hold.py on this host's real memory: the holder takes what leaves its goal
-available and gives it back, is the OOM killer's first pick, ends with its owner, and (slow) bounds what
-the page cache keeps of a file read through it."""
+available and gives it back, is the OOM killer's first pick, ends with its owner, gives way to a growing
+process, and bounds what the page cache keeps of a file read through it. All slow-marked (serial); CI's
+suite runs the holder through a whole bench_peers run (test_bench_peers)."""
 
 import os
 import time
@@ -21,6 +22,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# Slow-marked: the holder follows the whole host's memory, so its exact figures hold only where no other
+# test runs beside it (`make test-slow` runs serially; CI's suite runs on parallel workers).
+@pytest.mark.slow
 def test_the_holder_keeps_its_goal_available_and_gives_the_room_back():
     avail = ram_hold.available()
     if avail < 3 * GiB:
@@ -48,6 +52,7 @@ def test_the_holder_keeps_its_goal_available_and_gives_the_room_back():
     assert not _alive(pid)  # its owner's stop ends it
 
 
+@pytest.mark.slow
 def test_the_holder_gives_way_when_a_process_grows():
     """What a server allocates in a phase comes out of the holder, not out of the goal: the holder shrinks
     (TICK_S by TICK_S) until the host's available memory is back at its goal."""
