@@ -262,6 +262,40 @@ def time_split_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+SERVED_FROM = ("storage", "host", "device", "none")  # a request's class: the deepest level that served its prefix
+SERVED_FROM_HEAD = {"storage": "storage hit", "host": "host pool hit, no storage", "device": "device pool hit only",
+                    "none": "no hit (whole prompt computed)"}
+
+
+def served_from(req: dict) -> str:
+    """The deepest level that served part of an answered request's prompt: storage, host, device, or none."""
+    for level in SERVED_FROM[:3]:
+        if req.get(level):
+            return level
+    return "none"
+
+
+def served_from_table(result: dict) -> str:
+    """Per tier and phase, the answered requests' TTFT by where their prefix came from (count: p50 / mean s):
+    the storage class is where storage tiers differ; the no-hit class is the same compute on every tier and
+    sets the run's tail. '' when no phase has requests."""
+    head = ["tier", "phase"] + [f"{SERVED_FROM_HEAD[k]}: n, p50 / mean s" for k in SERVED_FROM]
+    lines = []
+    for t in result["tiers"]:
+        for phase, ph in (t.get("phases") or {}).items():
+            by: dict = {k: [] for k in SERVED_FROM}
+            for req in ph.get("requests") or ():
+                if not req.get("error") and req.get("ttft_s") is not None:
+                    by[served_from(req)].append(req["ttft_s"])
+            if not any(by.values()):
+                continue
+            cells = [f"{len(v)}: {percentile(v, 50):.3f} / {sum(v) / len(v):.3f}" if v else "0" for v in by.values()]
+            lines.append("| " + " | ".join([label(t), phase] + cells) + " |")
+    if not lines:
+        return ""
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)] + lines)
+
+
 def _f(v, fmt="{:.3f}"):
     return "-" if v is None else fmt.format(v)
 
@@ -383,6 +417,10 @@ def markdown(result: dict, rows: list) -> str:
         parts += ["Where the time to first token went (upstream's per-request time stats: time in the waiting "
                   "queue, and of it the time the scheduler skipped the request because its storage prefetch, "
                   "or its staged span, was not ready):", "", split, ""]
+    by_source = served_from_table(result)
+    if by_source:
+        parts += ["Time to first token by where each request's prefix came from (the deepest level that served "
+                  "part of it; answered requests):", "", by_source, ""]
     counters = counters_table(result)
     if counters:
         parts += ["Storage counters from each server's `/metrics` (deltas over the phase; tokens unless named "

@@ -489,6 +489,22 @@ def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
         assert (out / name).stat().st_size > 10_000, name
 
 
+def test_report_splits_the_time_to_first_token_by_where_each_prefix_came_from(tmp_path):
+    """A request's class is the deepest level that served part of its prefix; each class's count, p50 and
+    mean TTFT per tier and phase, answered requests only (the restart's failed request is left out)."""
+    res = synthetic_result()
+    assert [report.served_from(r) for r in res["tiers"][1]["phases"]["replay"]["requests"]] == \
+        ["device", "device", "storage", "device"]
+    assert report.served_from({"device": 0, "host": 64, "storage": 0}) == "host"
+    assert report.served_from({"device": 0, "host": 0, "storage": 0}) == "none"
+    md = report.write_report(res, str(tmp_path)) and (tmp_path / "peers.md").read_text()
+    assert "| tier | phase | storage hit: n, p50 / mean s | host pool hit, no storage: n, p50 / mean s |" in md
+    assert "| cp-l3-python | replay | 1: 0.100 / 0.100 | 0 | 3: 0.100 / 0.367 | 0 |" in md
+    assert "| cp-l3-python | restart | 2: 0.200 / 0.200 | 0 | 1: 0.200 / 0.200 | 0 |" in md  # 3 of 4 answered
+    assert "| hicache-l2 | replay | 0 | 0 | 4: 0.250 / 0.250 | 0 |" in md
+    assert report.served_from_table({"tiers": [{"name": "x", "phases": {}}]}) == ""
+
+
 def test_ttft_axis_ticks_are_1_2_5_and_never_fewer_than_two():
     """The CDF's log axis: matplotlib labelled minor ticks on a range under a decade, overlapping
     ("2x10^-1 3x10^-1 4x10^-1 ..."); now 1-2-5 ticks in plain seconds, two at least."""
