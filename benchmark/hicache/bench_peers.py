@@ -394,15 +394,19 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     counters0 = storage_counters(srv)
     disk = tier.storage_dirs[0] if tier.storage_dirs else None
     io0 = block_io.counters(disk) if disk else None
-    rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout, args.max_inflight)
-    settled = settle(srv, tier)
     held = None
-    if hold is not None:
-        held = {**hold.phase_stats(), "wait_s": tightened["wait_s"], "reached": tightened["reached"]}
-        hold.loosen(start_room(args))
-        if not held["alive"]:
-            log(f"[{tier.name}] WARNING the RAM holder died in the phase (the kernel's OOM killer takes it "
-                "first): the phase ran with more page cache than --free-ram-gb")
+    try:
+        rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout,
+                           args.max_inflight)
+        settled = settle(srv, tier)
+        if hold is not None:
+            held = {**hold.phase_stats(), "wait_s": tightened["wait_s"], "reached": tightened["reached"]}
+    finally:  # whatever ends the phase, the next start (this tier's restart, the next tier) gets its room
+        if hold is not None:
+            hold.loosen(start_room(args))
+    if held is not None:
+        for problem in peer_report.ram_hold_problems(held):
+            log(f"[{tier.name}] WARNING {problem}")
     disk_io = counter_deltas(io0, block_io.counters(disk) if disk else None)
     cpu1, scpu1 = tree_cpu_s(pids), tree_cpu_s(spids)  # after the settle: the backups' work is charged too
     counters = counter_deltas(counters0, storage_counters(srv))
@@ -748,15 +752,15 @@ def cmd_run(args) -> int:
         write_private_json(out_json, {**result, "tiers": result["tiers"] + [rec]})
 
     hold = None
-    if args.free_ram_gb:  # after the warm-up, which measures nothing
-        hold = ram_hold.RamHold(int(args.free_ram_gb * GB))
-        hold.start()
-        hold.loosen(start_room(args))
-        result["meta"]["free_ram_gb"] = args.free_ram_gb
-        log(f"RAM holder started: each phase runs with {args.free_ram_gb:g} GB available beyond what the "
-            f"processes hold ({ram_hold.available() / GB:.1f} GB available now, swap "
-            f"{ram_hold.meminfo().get('SwapTotal', 0) / GB:.1f} GB)")
     try:
+        if args.free_ram_gb:  # after the warm-up, which measures nothing; the holder grows in the background
+            hold = ram_hold.RamHold(int(args.free_ram_gb * GB))
+            hold.start()
+            hold.loosen(start_room(args))
+            result["meta"]["free_ram_gb"] = args.free_ram_gb
+            log(f"RAM holder started: each phase runs with {args.free_ram_gb:g} GB available beyond what the "
+                f"processes hold ({ram_hold.available() / GB:.1f} GB available now, swap "
+                f"{ram_hold.meminfo().get('SwapTotal', 0) / GB:.1f} GB)")
         for i, tier in enumerate(tiers):
             result["tiers"].append(run_tier(tier, s, prompts, tokens, args, model, flags, common, base_env, saved,
                                             hold))

@@ -27,6 +27,7 @@ import math
 import os
 
 from benchmark.hicache import peer_workloads as wl
+from benchmark.support import ram_hold  # the holder's step, for its goal's slack
 
 GB = 1e9
 PHASES = ("replay", "restart")
@@ -264,36 +265,43 @@ def time_split_table(rows: list) -> str:
 
 SERVED_FROM = ("storage", "host", "device", "none")  # a request's class: the deepest level that served its prefix
 SERVED_FROM_HEAD = {"storage": "storage hit", "host": "host pool hit, no storage", "device": "device pool hit only",
-                    "none": "no hit (whole prompt computed)"}
+                    "none": "no hit (whole prompt computed)", "unknown": "cached, level not reported"}
 
 
 def served_from(req: dict) -> str:
-    """The deepest level that served part of an answered request's prompt: storage, host, device, or none."""
+    """The deepest level that served part of an answered request's prompt: storage, host, device, none, or
+    unknown (cached tokens the server did not break down by level)."""
     for level in SERVED_FROM[:3]:
         if req.get(level):
             return level
-    return "none"
+    return "unknown" if req.get("cached") else "none"
 
 
 def served_from_table(result: dict) -> str:
     """Per tier and phase, the answered requests' TTFT by where their prefix came from (count: p50 / mean s):
     the storage class is where storage tiers differ; the no-hit class is the same compute on every tier and
-    sets the run's tail. '' when no phase has requests."""
-    head = ["tier", "phase"] + [f"{SERVED_FROM_HEAD[k]}: n, p50 / mean s" for k in SERVED_FROM]
-    lines = []
+    sets the run's tail; an "unknown" column only where a server reported cached tokens without their level.
+    '' when no phase has requests."""
+    classes = SERVED_FROM + ("unknown",)
+    rows = []
     for t in result["tiers"]:
         for phase, ph in (t.get("phases") or {}).items():
-            by: dict = {k: [] for k in SERVED_FROM}
+            by: dict = {k: [] for k in classes}
             for req in ph.get("requests") or ():
                 if not req.get("error") and req.get("ttft_s") is not None:
                     by[served_from(req)].append(req["ttft_s"])
-            if not any(by.values()):
-                continue
-            cells = [f"{len(v)}: {percentile(v, 50):.3f} / {sum(v) / len(v):.3f}" if v else "0" for v in by.values()]
-            lines.append("| " + " | ".join([label(t), phase] + cells) + " |")
-    if not lines:
+            if any(by.values()):
+                rows.append((label(t), phase, by))
+    if not rows:
         return ""
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)] + lines)
+    shown = [k for k in classes if k != "unknown" or any(by["unknown"] for _, _, by in rows)]
+    head = ["tier", "phase"] + [f"{SERVED_FROM_HEAD[k]}: n, p50 / mean s" for k in shown]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, phase, by in rows:
+        cells = [f"{len(by[k])}: {percentile(by[k], 50):.3f} / {sum(by[k]) / len(by[k]):.3f}" if by[k] else "0"
+                 for k in shown]
+        lines.append("| " + " | ".join([name, phase] + cells) + " |")
+    return "\n".join(lines)
 
 
 def _f(v, fmt="{:.3f}"):
@@ -355,27 +363,46 @@ def pool_limits(result: dict) -> list:
                               [p["tokens"] for p in result["prompts"]])
 
 
+def ram_hold_problems(held: dict) -> list:
+    """What kept a phase from running at its --free-ram-gb goal, one line each ([] when it did)."""
+    gb = held["leave"] / GB
+    out = []
+    if not held.get("alive"):
+        out.append("the RAM holder died in the phase (the OOM killer's first pick): more page cache than "
+                   f"{gb:g} GB was possible")
+    if not held.get("reached", True):
+        out.append(f"the RAM holder had not reached its goal ({gb:g} GB available) when the phase began")
+    if (held.get("above_goal_s") or 0) > ABOVE_GOAL_NOTED_S:
+        out.append(f"{held['above_goal_s']:.1f} s of the phase ran above the goal (up to "
+                   f"{(held.get('available_max') or 0) / GB:.1f} GB available) while the holder took memory back")
+    if held.get("alive") and not held.get("held") and (held.get("available_min") or 0) < held["leave"] - GOAL_SLACK:
+        out.append(f"the processes alone left less than {gb:g} GB available "
+                   f"({held['available_min'] / GB:.1f} GB): this phase had less RAM than the goal")
+    return out
+
+
+ABOVE_GOAL_NOTED_S = 2.0  # seconds above the goal a phase may spend before its row is flagged
+GOAL_SLACK = 2 * ram_hold.CHUNK  # the holder steps in chunks: within two of the goal is at it
+
+
 def ram_held_lines(result: dict) -> list:
     """The paragraph a ``--free-ram-gb`` run gets: the RAM every phase had beyond what its processes held,
-    and each phase whose holder died or did not reach its goal (it ran with more page cache than that)."""
+    and each phase that ran otherwise (holder dead, goal not reached, time above it, or processes that
+    alone left less), with why."""
     gb = result.get("meta", {}).get("free_ram_gb")
     if not gb:
         return []
     out = [f"Every phase ran with {gb:g} GB of the host's RAM available beyond what its processes held "
            "(`--free-ram-gb`: a holder process took the rest, as on a host whose working set is larger than its "
-           "RAM), so no tier's page cache held more than that."]
+           "RAM; available = free memory and the page cache the kernel can reclaim), except as listed below."]
     bad = []
     for t in result["tiers"]:
         for ph, v in (t.get("phases") or {}).items():
             h = v.get("ram_hold")
-            if h is None:
-                bad.append(f"`{label(t)}` {ph}: not held")
-            elif not h.get("alive"):
-                bad.append(f"`{label(t)}` {ph}: the holder died (the OOM killer's first pick)")
-            elif not h.get("reached"):
-                bad.append(f"`{label(t)}` {ph}: the goal was not reached before the phase")
+            problems = ["not held"] if h is None else ram_hold_problems(h)
+            bad += [f"`{label(t)}` {ph}: {p}" for p in problems]
     if bad:
-        out.append("Phases that ran with more: " + "; ".join(bad) + ".")
+        out.append("Phases that ran otherwise: " + "; ".join(bad) + ".")
     return out
 
 

@@ -22,6 +22,7 @@ page cache would get their room back.
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -30,11 +31,12 @@ from typing import Optional
 
 CHUNK = 256 << 20  # bytes the child takes or gives back per step
 TICK_S = 0.25  # how often the goal is re-read against /proc/meminfo
-GROW_STEP = 64 * CHUNK  # the most the holder takes in one step
+GROW_STEP = 16 * CHUNK  # the most the holder takes in one step (seconds at ~1 GB/s): growth shows between steps
 # The kernel folds its per-CPU memory counters into /proc/meminfo every vm.stat_interval (1 s by default):
 # a reading taken sooner after a step may not show it yet, and acting on it would step again (the holder
 # overshot by a whole step before it waited). After each step the controller waits this long.
 STAT_LAG_S = 1.2
+ASK_TIMEOUT_S = 120.0  # a step the child has not answered by then: the holder is taken as dead and killed
 PAGE = 4096
 
 
@@ -64,35 +66,46 @@ class RamHold:
         self.leave, self.wait_s = int(leave), float(wait_s)
         self._goal = None  # bytes MemAvailable should be; None: hold nothing
         self._held = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the child's pipe and the fields below
         self._proc: Optional[subprocess.Popen] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        self._avail_min: Optional[int] = None
         self._died = False
         self._quiet_until = 0.0  # monotonic time before which /proc/meminfo may not show the last step
+        self._phase: Optional[dict] = None  # what the phase under way has seen: min/max available, time above
 
     # --- the controller ---------------------------------------------------------------------------------
     def start(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", "benchmark.support.ram_hold", "--child"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        line = self._proc.stdout.readline()
-        if not line.startswith("ready"):
-            raise RuntimeError(f"ram_hold: the holder did not start (said {line!r})")
+        if not self._readline(ASK_TIMEOUT_S).startswith("ready"):
+            self._kill()
+            raise RuntimeError("ram_hold: the holder did not start")
         self._thread = threading.Thread(target=self._run, name="ram-hold", daemon=True)
         self._thread.start()
 
+    def _readline(self, timeout_s: float) -> str:
+        """One reply line from the child, or '' if it ended or said nothing within ``timeout_s``."""
+        try:
+            ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+            return self._proc.stdout.readline() if ready else ""
+        except (OSError, ValueError):
+            return ""
+
     def _ask(self, held: int) -> bool:
-        """Have the child hold ``held`` bytes (rounded to CHUNK); False once it is gone."""
+        """Have the child hold ``held`` bytes (rounded to CHUNK); False once it is gone. Caller holds the lock."""
+        if self._died or self._proc is None:
+            return False
         try:
             self._proc.stdin.write(f"{held // CHUNK}\n")
             self._proc.stdin.flush()
-            reply = self._proc.stdout.readline()
-        except (BrokenPipeError, OSError, ValueError):
+            reply = self._readline(ASK_TIMEOUT_S)
+        except (OSError, ValueError):
             reply = ""
         if not reply.startswith("held "):
-            self._died = True
+            self._died, self._held = True, 0  # what a dead holder held went back to the kernel with it
+            self._kill()
             return False
         held = int(reply.split()[1]) * CHUNK
         if held != self._held:
@@ -100,58 +113,90 @@ class RamHold:
         self._held = held
         return True
 
+    def _kill(self) -> None:
+        try:
+            self._proc.kill()
+        except (OSError, AttributeError):
+            pass
+
+    def _note(self, avail: int, dt: float) -> None:
+        """Count a reading into the phase under way (caller holds the lock)."""
+        ph = self._phase
+        if ph is None:
+            return
+        ph["available_min"] = min(ph["available_min"], avail)
+        ph["available_max"] = max(ph["available_max"], avail)
+        if avail > self.leave + 2 * CHUNK:
+            ph["above_goal_s"] += dt
+
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.is_set() and not self._died:
             with self._lock:
-                goal, avail = self._goal, available()
-                if goal is not None and self._avail_min is not None:
-                    self._avail_min = min(self._avail_min, avail)
-                if time.monotonic() >= self._quiet_until:
+                now, goal, avail = time.monotonic(), self._goal, available()
+                self._note(avail, now - last)
+                last = now
+                if now >= self._quiet_until:
                     want = 0 if goal is None else max(0, self._held + avail - goal)
-                    want = min(want, self._held + GROW_STEP)  # in steps: a server's growth shows between them
+                    want = min(want, self._held + GROW_STEP)
                     if abs(want - self._held) >= CHUNK or (want == 0 and self._held):
                         self._ask(want)
             self._stop.wait(TICK_S)
 
     def loosen(self, extra: int) -> None:
-        """Make room (``leave + extra`` available) before a start; returns once the child has given it back."""
+        """Give back room (``leave + extra`` available) before a start; returns once the child has. Only
+        gives back: a reading taken within STAT_LAG_S of the controller's last step is waited out first, so
+        a step the counters do not show yet cannot shrink the room."""
         with self._lock:
             self._goal = self.leave + int(extra)
-            if not self._died:
-                self._ask(max(0, self._held + available() - self._goal))
+            self._phase = None
+            wait = self._quiet_until - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        with self._lock:
+            want = max(0, self._held + available() - self._goal)
+            if want < self._held:
+                self._ask(want)
 
     def tighten(self) -> dict:
-        """Hold down to ``leave`` and wait (at most ``wait_s``) until ``MemAvailable`` is within a chunk of
-        it; returns how it went. The phase's minimum ``MemAvailable`` is tracked from here."""
+        """Hold down to ``leave`` and wait (at most ``wait_s``) until ``MemAvailable`` is within two chunks
+        of it; returns how it went. From here until ``phase_stats`` the readings count toward the phase."""
         t0 = time.monotonic()
         with self._lock:
             self._goal = self.leave
-            self._avail_min = None
         while time.monotonic() - t0 < self.wait_s and not self._died:
             if time.monotonic() >= self._quiet_until and self._near_goal():
                 break
             time.sleep(TICK_S)
+        avail = available()
         with self._lock:
-            self._avail_min = available()
-        return {"wait_s": time.monotonic() - t0, "reached": self._near_goal(), "held": self._held,
-                "alive": not self._died}
+            self._phase = {"available_min": avail, "available_max": avail, "above_goal_s": 0.0}
+            return {"wait_s": time.monotonic() - t0, "reached": self._near_goal(), "held": self._held,
+                    "alive": self.alive()}
 
     def _near_goal(self) -> bool:
         return available() <= self.leave + 2 * CHUNK
 
+    def alive(self) -> bool:
+        return not self._died and self._proc is not None and self._proc.poll() is None
+
     def phase_stats(self) -> dict:
-        """What the phase ran under: the goal, what was held, the lowest ``MemAvailable`` seen, whether the
-        holder lived through it, and the host's swap (with swap the cap is weaker)."""
+        """What the phase ran under: the goal, what was held at its end, the lowest and highest
+        ``MemAvailable`` read in it and the seconds it was above the goal (the holder gives way to a
+        growing server at once but takes memory back at the kernel's pace), whether the holder lived
+        through it, and the host's swap (with swap the cap is weaker)."""
         info = meminfo()
         with self._lock:
-            return {"leave": self.leave, "held": self._held, "available_min": self._avail_min,
-                    "available": info.get("MemAvailable"), "swap_total": info.get("SwapTotal", 0),
-                    "alive": not self._died}
+            ph = dict(self._phase or {})
+            self._note(info["MemAvailable"], 0.0)
+            return {"leave": self.leave, "held": self._held if self.alive() else 0,
+                    "available_min": ph.get("available_min"), "available_max": ph.get("available_max"),
+                    "above_goal_s": ph.get("above_goal_s"), "available": info.get("MemAvailable"),
+                    "swap_total": info.get("SwapTotal", 0), "alive": self.alive()}
 
     def stop(self) -> None:
+        """End the child (EOF, then a kill if it does not go) and the controller; never raises."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
         if self._proc is not None:
             try:
                 self._proc.stdin.close()
@@ -160,9 +205,14 @@ class RamHold:
             try:
                 self._proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=10)
-        self._proc = None
+                self._kill()
+                try:
+                    self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self._thread is not None:
+            self._thread.join(timeout=ASK_TIMEOUT_S + 5)
+        self._died = True
 
     def __enter__(self):
         self.start()

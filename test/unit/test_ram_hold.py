@@ -49,13 +49,14 @@ def test_the_holder_keeps_its_goal_available_and_gives_the_room_back():
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)  # its owner's stop ends it
+    assert not _alive(pid) and not hold.alive()  # its owner's stop ends it
 
 
 @pytest.mark.slow
 def test_the_holder_gives_way_when_a_process_grows():
     """What a server allocates in a phase comes out of the holder, not out of the goal: the holder shrinks
-    (TICK_S by TICK_S) until the host's available memory is back at its goal."""
+    (a step per TICK_S, after the kernel's counters show the last one) until the host's available memory
+    is back at its goal, and the phase's record shows the dip it gave way to."""
     avail = ram_hold.available()
     if avail < 4 * GiB:
         pytest.skip(f"{avail / GiB:.1f} GiB available: too little to hold 2 GiB safely")
@@ -63,12 +64,18 @@ def test_the_holder_gives_way_when_a_process_grows():
     hold.start()
     try:
         before = hold.tighten()["held"]
-        grown = bytearray(GiB)
-        grown[::4096] = b"\x01" * (GiB // 4096)  # a process's new resident GiB
-        deadline = time.monotonic() + 20
-        while hold.phase_stats()["held"] > before - GiB + 2 * ram_hold.CHUNK and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert hold.phase_stats()["held"] <= before - GiB + 2 * ram_hold.CHUNK
+        assert before > GiB
+        size = before + GiB // 2  # more than the holder holds: the goal cannot stay met without it giving way
+        grown = bytearray(size)
+        grown[::4096] = b"\x01" * (size // 4096)  # a process's new resident memory
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(ram_hold.STAT_LAG_S)
+            if hold.phase_stats()["held"] == 0:
+                break
+        stats = hold.phase_stats()
+        assert stats["held"] == 0  # it gave everything back to the growing process
+        assert stats["alive"] and stats["available_min"] < hold.leave  # and the dip is on the phase's record
         del grown
     finally:
         hold.stop()
@@ -107,4 +114,4 @@ def test_a_file_read_through_the_page_cache_keeps_no_more_than_the_goal(tmp_path
         assert hold.phase_stats()["alive"]
     finally:
         hold.stop()
-    assert held_run <= GiB + 4 * ram_hold.GROW_STEP // 8, f"{held_run / GiB:.2f} GiB resident under a 1 GiB goal"
+    assert held_run <= 1.5 * GiB, f"{held_run / GiB:.2f} GiB resident under a 1 GiB goal"
