@@ -384,18 +384,18 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
     """One measured pass of the workload on a started server. With ``hold`` (``--free-ram-gb``) the host's
     spare RAM is held down to its goal first and given back room after the settle, so the phase and the
     backups it started run on the same page-cache room in every tier."""
-    tightened = hold.tighten() if hold is not None else None
-    if tightened is not None:
-        log(f"[{tier.name}] RAM held: {tightened['held'] / GB:.1f} GB, {ram_hold.available() / GB:.1f} GB left "
-            f"available (goal {hold.leave / GB:.1f}; {tightened['wait_s']:.1f} s to reach it)")
-    pids = [srv.proc.pid]
-    spids = [s.proc.pid for s in services]
-    cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
-    counters0 = storage_counters(srv)
-    disk = tier.storage_dirs[0] if tier.storage_dirs else None
-    io0 = block_io.counters(disk) if disk else None
     held = None
     try:
+        tightened = hold.tighten() if hold is not None else None
+        if tightened is not None:
+            log(f"[{tier.name}] RAM held: {tightened['held'] / GB:.1f} GB, {ram_hold.available() / GB:.1f} GB "
+                f"left available (goal {hold.leave / GB:.1f}; {tightened['wait_s']:.1f} s to reach it)")
+        pids = [srv.proc.pid]
+        spids = [s.proc.pid for s in services]
+        cpu0, scpu0 = tree_cpu_s(pids), tree_cpu_s(spids)
+        counters0 = storage_counters(srv)
+        disk = tier.storage_dirs[0] if tier.storage_dirs else None
+        io0 = block_io.counters(disk) if disk else None
         rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout,
                            args.max_inflight)
         settled = settle(srv, tier)

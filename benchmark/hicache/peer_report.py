@@ -364,8 +364,12 @@ def pool_limits(result: dict) -> list:
 
 
 def ram_hold_problems(held: dict) -> list:
-    """What kept a phase from running at its --free-ram-gb goal, one line each ([] when it did)."""
-    gb = held["leave"] / GB
+    """What kept a phase from running at its --free-ram-gb goal, one line each ([] when it did). A phase
+    with more than the goal available (holder dead, goal not reached, time above it) gave a page-cache tier
+    more DRAM than the others; one far below it (the processes alone, or a holder step racing a server's
+    growth) gave every tier less."""
+    leave = held.get("leave") or 0
+    gb = leave / GB
     out = []
     if not held.get("alive"):
         out.append("the RAM holder died in the phase (the OOM killer's first pick): more page cache than "
@@ -375,9 +379,13 @@ def ram_hold_problems(held: dict) -> list:
     if (held.get("above_goal_s") or 0) > ABOVE_GOAL_NOTED_S:
         out.append(f"{held['above_goal_s']:.1f} s of the phase ran above the goal (up to "
                    f"{(held.get('available_max') or 0) / GB:.1f} GB available) while the holder took memory back")
-    if held.get("alive") and not held.get("held") and (held.get("available_min") or 0) < held["leave"] - GOAL_SLACK:
-        out.append(f"the processes alone left less than {gb:g} GB available "
-                   f"({held['available_min'] / GB:.1f} GB): this phase had less RAM than the goal")
+    low = held.get("available_min")
+    if held.get("alive") and low is not None:
+        if not held.get("held") and low < leave - GOAL_SLACK:
+            out.append(f"the processes alone left less than {gb:g} GB available ({low / GB:.1f} GB): this phase "
+                       "had less RAM than the goal")
+        elif held.get("held") and low < leave / 2:
+            out.append(f"available RAM fell to {low / GB:.1f} GB, under half the goal, before the holder gave way")
     return out
 
 

@@ -31,12 +31,18 @@ from typing import Optional
 
 CHUNK = 256 << 20  # bytes the child takes or gives back per step
 TICK_S = 0.25  # how often the goal is re-read against /proc/meminfo
-GROW_STEP = 16 * CHUNK  # the most the holder takes in one step (seconds at ~1 GB/s): growth shows between steps
+GROW_STEP = 16 * CHUNK  # the most the holder takes in one step near its goal (seconds at ~1 GB/s): a
+# server's growth shows between steps. Far from it (the first fill, ~100 GB on a GPU host) it takes
+# GROW_STEP_FAR at a time: the lag after each step would otherwise double the fill's time.
+GROW_STEP_FAR = 64 * CHUNK
 # The kernel folds its per-CPU memory counters into /proc/meminfo every vm.stat_interval (1 s by default):
 # a reading taken sooner after a step may not show it yet, and acting on it would step again (the holder
 # overshot by a whole step before it waited). After each step the controller waits this long.
 STAT_LAG_S = 1.2
-ASK_TIMEOUT_S = 120.0  # a step the child has not answered by then: the holder is taken as dead and killed
+# A step the child has not answered within ASK_BASE_S + ASK_PER_GIB_S per GiB it was asked to take is taken
+# as the holder's death (it is killed): generous for pages faulted in under reclaim, bounded for a stuck one.
+ASK_BASE_S = 30.0
+ASK_PER_GIB_S = 20.0
 PAGE = 4096
 
 
@@ -79,7 +85,7 @@ class RamHold:
         self._proc = subprocess.Popen([sys.executable, "-m", "benchmark.support.ram_hold", "--child"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        if not self._readline(ASK_TIMEOUT_S).startswith("ready"):
+        if not self._readline(ASK_BASE_S).startswith("ready"):
             self._kill()
             raise RuntimeError("ram_hold: the holder did not start")
         self._thread = threading.Thread(target=self._run, name="ram-hold", daemon=True)
@@ -97,20 +103,21 @@ class RamHold:
         """Have the child hold ``held`` bytes (rounded to CHUNK); False once it is gone. Caller holds the lock."""
         if self._died or self._proc is None:
             return False
+        self._quiet_until = float("inf")  # a step in flight: no reading counts as settled until it is answered
+        grow_gib = max(0, held - self._held) / (1 << 30)
         try:
             self._proc.stdin.write(f"{held // CHUNK}\n")
             self._proc.stdin.flush()
-            reply = self._readline(ASK_TIMEOUT_S)
-        except (OSError, ValueError):
-            reply = ""
-        if not reply.startswith("held "):
+            reply = self._readline(ASK_BASE_S + ASK_PER_GIB_S * grow_gib)
+            got = int(reply.split()[1]) * CHUNK if reply.startswith("held ") else None
+        except (OSError, ValueError, IndexError):
+            got = None
+        if got is None:
             self._died, self._held = True, 0  # what a dead holder held went back to the kernel with it
             self._kill()
             return False
-        held = int(reply.split()[1]) * CHUNK
-        if held != self._held:
-            self._quiet_until = time.monotonic() + STAT_LAG_S
-        self._held = held
+        self._quiet_until = time.monotonic() + (STAT_LAG_S if got != self._held else 0.0)
+        self._held = got
         return True
 
     def _kill(self) -> None:
@@ -119,26 +126,37 @@ class RamHold:
         except (OSError, AttributeError):
             pass
 
-    def _note(self, avail: int, dt: float) -> None:
-        """Count a reading into the phase under way (caller holds the lock)."""
-        ph = self._phase
+    def _note(self, avail: int) -> None:
+        """Count a reading into the phase under way (caller holds the lock): the time since the phase's
+        previous reading is charged as above the goal when either reading is, since the memory between them
+        moved one way or the other at an unknown moment."""
+        ph, now = self._phase, time.monotonic()
         if ph is None:
             return
+        above = avail > self.leave + 2 * CHUNK
+        if above or ph["last_above"]:
+            ph["above_goal_s"] += now - ph["last_t"]
+        ph["last_t"], ph["last_above"] = now, above
         ph["available_min"] = min(ph["available_min"], avail)
         ph["available_max"] = max(ph["available_max"], avail)
-        if avail > self.leave + 2 * CHUNK:
-            ph["above_goal_s"] += dt
 
     def _run(self) -> None:
-        last = time.monotonic()
+        try:
+            self._control()
+        except Exception:  # a controller that stopped must not leave a holder that no longer gives way
+            with self._lock:
+                self._died, self._held = True, 0
+                self._kill()
+
+    def _control(self) -> None:
         while not self._stop.is_set() and not self._died:
             with self._lock:
                 now, goal, avail = time.monotonic(), self._goal, available()
-                self._note(avail, now - last)
-                last = now
+                self._note(avail)
                 if now >= self._quiet_until:
                     want = 0 if goal is None else max(0, self._held + avail - goal)
-                    want = min(want, self._held + GROW_STEP)
+                    far = want - self._held > 2 * GROW_STEP_FAR
+                    want = min(want, self._held + (GROW_STEP_FAR if far else GROW_STEP))
                     if abs(want - self._held) >= CHUNK or (want == 0 and self._held):
                         self._ask(want)
             self._stop.wait(TICK_S)
@@ -168,9 +186,10 @@ class RamHold:
             if time.monotonic() >= self._quiet_until and self._near_goal():
                 break
             time.sleep(TICK_S)
-        avail = available()
-        with self._lock:
-            self._phase = {"available_min": avail, "available_max": avail, "above_goal_s": 0.0}
+        with self._lock:  # the phase's record starts here, with no time from before it
+            avail = available()
+            self._phase = {"available_min": avail, "available_max": avail, "above_goal_s": 0.0,
+                           "last_t": time.monotonic(), "last_above": False}
             return {"wait_s": time.monotonic() - t0, "reached": self._near_goal(), "held": self._held,
                     "alive": self.alive()}
 
@@ -185,10 +204,10 @@ class RamHold:
         ``MemAvailable`` read in it and the seconds it was above the goal (the holder gives way to a
         growing server at once but takes memory back at the kernel's pace), whether the holder lived
         through it, and the host's swap (with swap the cap is weaker)."""
-        info = meminfo()
         with self._lock:
+            info = meminfo()
+            self._note(info["MemAvailable"])  # the reading at its end counts, and the time up to it
             ph = dict(self._phase or {})
-            self._note(info["MemAvailable"], 0.0)
             return {"leave": self.leave, "held": self._held if self.alive() else 0,
                     "available_min": ph.get("available_min"), "available_max": ph.get("available_max"),
                     "above_goal_s": ph.get("above_goal_s"), "available": info.get("MemAvailable"),
@@ -211,7 +230,7 @@ class RamHold:
                 except subprocess.TimeoutExpired:
                     pass
         if self._thread is not None:
-            self._thread.join(timeout=ASK_TIMEOUT_S + 5)
+            self._thread.join(timeout=ASK_BASE_S + 5)
         self._died = True
 
     def __enter__(self):

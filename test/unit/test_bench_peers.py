@@ -1415,6 +1415,10 @@ def test_a_phase_off_its_ram_goal_says_how():
     assert above == "3.5 s of the phase ran above the goal (up to 20.0 GB available) while the holder took memory back"
     [short] = report.ram_hold_problems({**ok, "held": 0, "available_min": 5e9})
     assert short.startswith("the processes alone left less than 8 GB available (5.0 GB)")
+    assert report.ram_hold_problems({**ok, "available_min": 5e9}) == []  # a dip the holder gave way to
+    [dip] = report.ram_hold_problems({**ok, "available_min": 3e9})
+    assert dip == "available RAM fell to 3.0 GB, under half the goal, before the holder gave way"
+    assert report.ram_hold_problems({**ok, "held": 0, "available_min": None}) == []  # a record without readings
     res = synthetic_result()
     res["meta"]["free_ram_gb"] = 8
     lines = report.ram_held_lines(res)

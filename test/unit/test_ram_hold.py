@@ -1,6 +1,6 @@
 """benchmark/support/ram_hold.py on this host's real memory: the holder takes what leaves its goal
 available and gives it back, is the OOM killer's first pick, ends with its owner, gives way to a growing
-process, and bounds what the page cache keeps of a file read through it. All slow-marked (serial); CI's
+process, and bounds what the page cache keeps of a file read through it. The figures are slow-marked (serial); CI's
 suite runs the holder through a whole bench_peers run (test_bench_peers)."""
 
 import os
@@ -115,3 +115,29 @@ def test_a_file_read_through_the_page_cache_keeps_no_more_than_the_goal(tmp_path
     finally:
         hold.stop()
     assert held_run <= 1.5 * GiB, f"{held_run / GiB:.2f} GiB resident under a 1 GiB goal"
+
+
+def test_a_holder_killed_under_it_reads_as_dead_and_holding_nothing():
+    """The OOM killer's pick, as the harness sees it: once the child is gone the holder is not alive, holds
+    nothing, its next step fails without blocking, and the phase's record names the death."""
+    import signal
+
+    from benchmark.hicache import peer_report
+
+    avail = ram_hold.available()
+    if avail < 2 * GiB:
+        pytest.skip(f"{avail / GiB:.1f} GiB available: too little to hold 512 MiB safely")
+    hold = ram_hold.RamHold(avail - GiB // 2, wait_s=20)
+    hold.start()
+    try:
+        hold.tighten()
+        os.kill(hold._proc.pid, signal.SIGKILL)
+        hold._proc.wait(timeout=10)
+        t0 = time.monotonic()
+        hold.loosen(GiB)  # a start after the death: returns at once
+        assert time.monotonic() - t0 < ram_hold.STAT_LAG_S + 5
+        stats = hold.phase_stats()
+        assert not hold.alive() and stats["held"] == 0 and not stats["alive"]
+        assert peer_report.ram_hold_problems({**stats, "reached": True})[0].startswith("the RAM holder died")
+    finally:
+        hold.stop()
