@@ -1,7 +1,8 @@
 """benchmark/support/ram_hold.py on this host's real memory: the holder takes what leaves its goal
 available and gives it back, is the OOM killer's first pick, ends with its owner, gives way to a growing
-process, and bounds what the page cache keeps of a file read through it. The figures are slow-marked (serial); CI's
-suite runs the holder through a whole bench_peers run (test_bench_peers)."""
+process, reads as dead once killed, and bounds what the page cache keeps of a file read through it. The
+figures are slow-marked (serial); CI's suite runs a killed holder and the holder through a whole
+bench_peers run (test_bench_peers)."""
 
 import os
 import time
