@@ -390,7 +390,7 @@ def ram_hold_problems(held: dict) -> list:
 
 
 ABOVE_GOAL_NOTED_S = 2.0  # seconds above the goal a phase may spend before its row is flagged
-GOAL_SLACK = 2 * ram_hold.CHUNK  # the holder steps in chunks: within two of the goal is at it
+GOAL_SLACK = ram_hold.SLACK
 
 
 def ram_held_lines(result: dict) -> list:

@@ -43,7 +43,7 @@ STAT_LAG_S = 1.2
 # as the holder's death (it is killed): generous for pages faulted in under reclaim, bounded for a stuck one.
 ASK_BASE_S = 30.0
 ASK_PER_GIB_S = 20.0
-PAGE = 4096
+SLACK = 2 * CHUNK  # the holder steps in chunks: MemAvailable within two of the goal is at it
 
 
 def meminfo(path: str = "/proc/meminfo") -> dict:
@@ -133,7 +133,7 @@ class RamHold:
         ph, now = self._phase, time.monotonic()
         if ph is None:
             return
-        above = avail > self.leave + 2 * CHUNK
+        above = avail > self.leave + SLACK
         if above or ph["last_above"]:
             ph["above_goal_s"] += now - ph["last_t"]
         ph["last_t"], ph["last_above"] = now, above
@@ -177,8 +177,8 @@ class RamHold:
                 self._ask(want)
 
     def tighten(self) -> dict:
-        """Hold down to ``leave`` and wait (at most ``wait_s``) until ``MemAvailable`` is within two chunks
-        of it; returns how it went. From here until ``phase_stats`` the readings count toward the phase."""
+        """Hold down to ``leave`` and wait (at most ``wait_s``) until ``MemAvailable`` is within SLACK of it;
+        returns how it went. From here until ``phase_stats`` the readings count toward the phase."""
         t0 = time.monotonic()
         with self._lock:
             self._goal = self.leave
@@ -194,7 +194,7 @@ class RamHold:
                     "alive": self.alive()}
 
     def _near_goal(self) -> bool:
-        return available() <= self.leave + 2 * CHUNK
+        return available() <= self.leave + SLACK
 
     def alive(self) -> bool:
         return not self._died and self._proc is not None and self._proc.poll() is None
@@ -233,34 +233,25 @@ class RamHold:
             self._thread.join(timeout=ASK_BASE_S + 5)
         self._died = True
 
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
 
 # --- the child -------------------------------------------------------------------------------------------
 def _child() -> None:
-    """Hold a list of CHUNK-sized bytearrays, each page written once so the kernel backs it; a number on
-    stdin is the count of chunks to hold, answered with the count held. EOF releases everything."""
+    """Hold a list of CHUNK-sized bytearrays (``bytearray(n)`` writes zeros to every byte, so each page is
+    resident, not a promise); a number on stdin is the count of chunks to hold, answered with the count
+    held. EOF releases everything."""
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # under pressure the kernel kills the holder first, never a server
     except OSError:
         pass
     chunks: list = []
-    touch = b"\x01" * (CHUNK // PAGE)
     print("ready", flush=True)
     for line in sys.stdin:
         want = max(0, int(line))
         while len(chunks) > want:
             chunks.pop()
         while len(chunks) < want:
-            b = bytearray(CHUNK)
-            b[::PAGE] = touch  # a write per page: the memory is resident, not a promise
-            chunks.append(b)
+            chunks.append(bytearray(CHUNK))
         print(f"held {len(chunks)}", flush=True)
 
 
