@@ -472,8 +472,7 @@ def markdown(result: dict, rows: list) -> str:
         parts += [f"Tiers measured in {len(meta['runs'])} consecutive runs at the same code and settings "
                   f"(started {', '.join(str(x) for x in meta['runs'])})"
                   + ("" if not warm or all(warm) else
-                     "; without a warm-up server: the run" + ("s" if sum(not w for w in warm) > 1 else "")
-                     + " started " + ", ".join(str(r) for r, w in zip(meta["runs"], warm) if not w))
+                     "; runs without a warm-up server: " + ", ".join(str(k + 1) for k, w in enumerate(warm) if not w))
                   + ".", ""]
     if any("mode_ok" in r for r in rows):
         parts += ["First token = the prompt's most frequent token (KV-sensitive weights): " + ", ".join(

@@ -1259,7 +1259,7 @@ def test_merge_refuses_runs_of_another_gpu_or_code_and_the_table_names_the_machi
     report.write_report(merged, str(tmp_path))
     md = (tmp_path / "peers.md").read_text()
     assert f"Machine: NVIDIA H200, 580.159.04 on {m['host']}; code" in md and f"sources {m['source_digest']}" in md
-    assert "consecutive runs at the same code and settings (started t1, t2); without a warm-up server: the run started t2." in md
+    assert "consecutive runs at the same code and settings (started t1, t2); runs without a warm-up server: 2." in md
     assert "include hits in the tier's own DRAM" not in md  # no such tier ran
     assert m["commit_differs"] in (True, False)
     a["meta"]["machine"] = {**a["meta"]["machine"], "commit": "abc1234", "commit_differs": True}
