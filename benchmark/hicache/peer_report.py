@@ -381,7 +381,7 @@ def ram_hold_problems(held: dict) -> list:
                    f"{(held.get('available_max') or 0) / GB:.1f} GB available) while the holder took memory back")
     low = held.get("available_min")
     if held.get("alive") and low is not None:
-        if not held.get("held") and low < leave - GOAL_SLACK:
+        if not held.get("held") and low < leave - ram_hold.SLACK:
             out.append(f"the processes alone left less than {gb:g} GB available ({low / GB:.1f} GB): this phase "
                        "had less RAM than the goal")
         elif held.get("held") and low < leave / 2:
@@ -390,7 +390,6 @@ def ram_hold_problems(held: dict) -> list:
 
 
 ABOVE_GOAL_NOTED_S = 2.0  # seconds above the goal a phase may spend before its row is flagged
-GOAL_SLACK = ram_hold.SLACK
 
 
 def ram_held_lines(result: dict) -> list:
@@ -402,13 +401,14 @@ def ram_held_lines(result: dict) -> list:
         return []
     out = [f"Every phase ran with {gb:g} GB of the host's RAM available beyond what its processes held "
            "(`--free-ram-gb`: a holder process took the rest, as on a host whose working set is larger than its "
-           "RAM; available = free memory and the page cache the kernel can reclaim), except as listed below."]
+           "RAM; available = free memory and the page cache the kernel can reclaim)"]
     bad = []
     for t in result["tiers"]:
         for ph, v in (t.get("phases") or {}).items():
             h = v.get("ram_hold")
             problems = ["not held"] if h is None else ram_hold_problems(h)
             bad += [f"`{label(t)}` {ph}: {p}" for p in problems]
+    out[0] += ", except as listed below." if bad else "."
     if bad:
         out.append("Phases that ran otherwise: " + "; ".join(bad) + ".")
     return out
@@ -472,7 +472,9 @@ def markdown(result: dict, rows: list) -> str:
         parts += [f"Tiers measured in {len(meta['runs'])} consecutive runs at the same code and settings "
                   f"(started {', '.join(str(x) for x in meta['runs'])})"
                   + ("" if not warm or all(warm) else
-                     "; runs without a warm-up server: " + ", ".join(str(k + 1) for k, w in enumerate(warm) if not w))
+                     "; the runs started " + ", ".join(str(x) for x, w in zip(meta["runs"], warm) if not w)
+                     + " had no warm-up server of their own (`--no-warm-up`: for a run that follows another on "
+                     "the same host, whose kernels are compiled already)")
                   + ".", ""]
     if any("mode_ok" in r for r in rows):
         parts += ["First token = the prompt's most frequent token (KV-sensitive weights): " + ", ".join(
@@ -594,7 +596,8 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
         ax.set_ylim(0, 1)
         ax.set_ylabel("cached tokens / prompt tokens")
         ax.set_title(f"Hit ratio by tier, {phase}")
-        ax.legend(fontsize=8)
+        # Beside the axes, not on them: inside, the legend covers a bar once the tiers fill the width.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, FILES[3]))
     fig.savefig(paths[-1], dpi=110)

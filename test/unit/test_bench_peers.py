@@ -1259,7 +1259,8 @@ def test_merge_refuses_runs_of_another_gpu_or_code_and_the_table_names_the_machi
     report.write_report(merged, str(tmp_path))
     md = (tmp_path / "peers.md").read_text()
     assert f"Machine: NVIDIA H200, 580.159.04 on {m['host']}; code" in md and f"sources {m['source_digest']}" in md
-    assert "consecutive runs at the same code and settings (started t1, t2); runs without a warm-up server: 2." in md
+    assert ("consecutive runs at the same code and settings (started t1, t2); the runs started t2 had no warm-up "
+            "server of their own") in md
     assert "include hits in the tier's own DRAM" not in md  # no such tier ran
     assert m["commit_differs"] in (True, False)
     a["meta"]["machine"] = {**a["meta"]["machine"], "commit": "abc1234", "commit_differs": True}
@@ -1393,6 +1394,7 @@ def test_a_run_with_free_ram_holds_the_rest_in_every_phase_and_ends_its_holder(t
         assert h["available_min"] is not None and h["swap_total"] >= 0
     md = (tmp_path / "o" / "peers.md").read_text()
     assert f"Every phase ran with {leave_gb:g} GB of the host's RAM available" in md
+    assert "except as listed below" not in md and "Phases that ran otherwise" not in md  # nothing to list
     assert len(holders) == 1 and not holders[0].alive()
     with pytest.raises(SystemExit):  # a goal of 0 GB is refused at parse
         bench.parser().parse_args(["run", "--work-dir", str(tmp_path), "--free-ram-gb", "0"])
@@ -1401,6 +1403,7 @@ def test_a_run_with_free_ram_holds_the_rest_in_every_phase_and_ends_its_holder(t
     res["tiers"][0]["phases"]["restart"]["ram_hold"].update(alive=False, above_goal_s=0.0)
     res["tiers"][0]["phases"]["replay"]["ram_hold"].update(above_goal_s=0.0, held=1 << 30)
     assert "Phases that ran otherwise: `file` restart: the RAM holder died" in "\n".join(report.ram_held_lines(res))
+    assert report.ram_held_lines(res)[0].endswith("except as listed below.")
     assert "`file` replay" not in "\n".join(report.ram_held_lines(res))
 
 
