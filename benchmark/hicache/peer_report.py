@@ -195,6 +195,15 @@ def label(tier: dict) -> str:
     return tier["name"] + (COLD if tier.get("restart_drop_caches") == "dropped" else "")
 
 
+COLD_MARK = " *"  # a plot's short form of COLD; the figure's footnote says what it means
+COLD_NOTE = "* restart on a cold page cache (synced and dropped before the restart)"
+
+
+def plot_label(tier: dict) -> str:
+    """A tier's name on a plot: COLD spelled out on every tick and legend entry crowds the axes."""
+    return tier["name"] + (COLD_MARK if tier.get("restart_drop_caches") == "dropped" else "")
+
+
 def summarize(result: dict) -> list:
     prompts = result["prompts"]
     ref = reference_tier(result)
@@ -529,6 +538,12 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
     ran = [t for t in result["tiers"] if t.get("phases")]
     phases = [p for p in PHASES if any(p in (t.get("phases") or {}) for t in ran)]
     paths = []
+    cold = any(label(t) != plot_label(t) for t in ran)
+
+    def layout(fig):
+        if cold:  # what the mark on a tier's name means, under the axes
+            fig.text(0.01, 0.01, COLD_NOTE, fontsize=8, ha="left", va="bottom")
+        fig.tight_layout(rect=(0, 0.05 if cold else 0, 1, 1))
 
     fig, axes = plt.subplots(1, max(1, len(phases)), figsize=(6.5 * max(1, len(phases)), 4.5), squeeze=False)
     for ax, phase in zip(axes[0], phases):
@@ -536,7 +551,7 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
             xs = sorted(r["ttft_s"] for r in _ok((t.get("phases") or {}).get(phase, {}).get("requests", []))
                         if r.get("ttft_s") is not None)
             if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label(t))
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=plot_label(t))
         ax.set_xscale("log")
         xs = [x for line in ax.get_lines() for x in line.get_xdata() if x > 0]
         ticks = log_ticks(xs)
@@ -552,23 +567,24 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
         ax.set_title(f"TTFT CDF, {phase}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
+    layout(fig)
     paths.append(os.path.join(out_dir, FILES[1]))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
     ran_rows = [r for r in rows if r["phase"] is not None]
-    names = [label(t) for t in ran]
+    names = [label(t) for t in ran]  # the rows' keys
+    ticks = [plot_label(t) for t in ran]
     width = 0.8 / max(1, len(phases))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.5))
     for k, phase in enumerate(phases):
         by = {r["tier"]: r["rps"] or 0.0 for r in ran_rows if r["phase"] == phase}
         ax.bar([i + k * width for i in range(len(names))], [by.get(n, 0.0) for n in names], width, label=phase)
-    ax.set_xticks([i + width * (len(phases) - 1) / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_xticks([i + width * (len(phases) - 1) / 2 for i in range(len(names))], ticks, rotation=30, ha="right")
     ax.set_ylabel("requests/s")
     ax.set_title("Throughput per tier")
     ax.legend()
-    fig.tight_layout()
+    layout(fig)
     paths.append(os.path.join(out_dir, FILES[2]))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
@@ -592,13 +608,13 @@ def plots(result: dict, rows: list, out_dir: str) -> list:
         ideal = (result.get("ideal") or {}).get(phase, {}).get("token_ratio")
         if ideal is not None:
             ax.axhline(ideal, color="black", linestyle="--", label=f"ideal {ideal:.3f}")
-        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_xticks(range(len(names)), ticks, rotation=30, ha="right")
         ax.set_ylim(0, 1)
         ax.set_ylabel("cached tokens / prompt tokens")
         ax.set_title(f"Hit ratio by tier, {phase}")
         # Beside the axes, not on them: inside, the legend covers a bar once the tiers fill the width.
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    fig.tight_layout()
+    layout(fig)
     paths.append(os.path.join(out_dir, FILES[3]))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)

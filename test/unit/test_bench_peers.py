@@ -455,6 +455,25 @@ def synthetic_result():
                  "needs": "pip install nixl", "phases": {}}]}
 
 
+def test_plots_mark_a_cold_restart_short_and_say_what_the_mark_means(tmp_path, monkeypatch):
+    """The table spells a restart on a dropped page cache out on every row; the plots mark the tier's name
+    and say once, under the axes, what the mark means (spelled out, the names crowded the axes)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    cold, warm = {"name": "file", "restart_drop_caches": "dropped"}, {"name": "file"}
+    assert report.plot_label(cold) == "file" + report.COLD_MARK and report.label(cold) == "file" + report.COLD
+    assert report.plot_label(warm) == report.label(warm) == "file"
+    said, text = [], Figure.text
+    monkeypatch.setattr(Figure, "text", lambda fig, x, y, s, *a, **k: (said.append(s), text(fig, x, y, s, *a, **k))[1])
+    res = synthetic_result()
+    assert len(report.plots(res, report.summarize(res), str(tmp_path))) == 3 and said == []
+    res["tiers"][1]["restart_drop_caches"] = "dropped"
+    assert len(report.plots(res, report.summarize(res), str(tmp_path))) == 3
+    assert said == [report.COLD_NOTE] * 3
+    assert matplotlib.get_backend().lower() == "agg"
+
+
 def test_report_from_a_saved_json_writes_the_table_and_nonempty_plots(tmp_path):
     res = synthetic_result()
     rows = {(r["tier"], r["phase"]): r for r in report.summarize(res)}
