@@ -24,7 +24,8 @@ Recorded per tier and phase (``peer_report.py``): requests/s, TTFT p50/p90/p99, 
 device/host/storage, hit ratio against the ideal and where the rest went (in flight / lost), bytes on
 disk (du), CPU seconds of the server's process tree and of the side services, output ids against the
 first tier's, and the server's storage counters (``/metrics``: written, dropped, found, loaded, found but
-not loaded) over the phase. A tier whose package is missing keeps its row with the exact import error and what it
+not loaded) over the phase; with ``--forward-metrics``, every forward pass as upstream publishes it
+(``forward_passes.py``). A tier whose package is missing keeps its row with the exact import error and what it
 would take.
 
     python -m benchmark.hicache.bench_peers run --model small --workload trace --trace conversation_trace.jsonl \\
@@ -50,10 +51,12 @@ import http.client
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +66,7 @@ if not __package__:  # run as a file: the repository root is not on sys.path, so
     sys.exit("bench_peers: run it from the repository root as a module: python -m benchmark.hicache.bench_peers")
 
 from benchmark.hicache import bench_server_ttft as ttft  # the shared harness: models, KV sizes, L3 config
+from benchmark.hicache import forward_passes  # --forward-metrics: upstream's per-forward GPU spans
 from benchmark.hicache import peer_report, peer_tiers
 from benchmark.hicache.peer_tiers import du_bytes  # bytes a tier's storage holds
 from benchmark.hicache import peer_workloads as wl
@@ -380,11 +384,14 @@ def settle(srv, tier: peer_tiers.Tier) -> float:
 
 
 def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens, args,
-              hold: Optional[ram_hold.RamHold] = None) -> dict:
+              hold: Optional[ram_hold.RamHold] = None,
+              forwards: Optional[forward_passes.Listener] = None) -> dict:
     """One measured pass of the workload on a started server. With ``hold`` (``--free-ram-gb``) the host's
     spare RAM is held down to its goal first and given back room after the settle, so the phase and the
-    backups it started run on the same page-cache room in every tier."""
+    backups it started run on the same page-cache room in every tier. With ``forwards``
+    (``--forward-metrics``) the phase's forward passes, as the server published them, are summarized."""
     held = None
+    before = forwards.quiet(FPM_QUIET_MAX_S) if forwards is not None else None  # the warm request's, off the clock
     try:
         tightened = hold.tighten() if hold is not None else None
         if tightened is not None:
@@ -399,6 +406,7 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
         rows, wall = drive(srv, prompts, tokens, args.loop, args.concurrency, args.request_timeout,
                            args.max_inflight)
         settled = settle(srv, tier)
+        taken = forwards.take() if forwards is not None else None  # the settle let the last spans arrive
         if hold is not None:
             held = {**hold.phase_stats(), "wait_s": tightened["wait_s"], "reached": tightened["reached"]}
     finally:  # whatever ends the phase, the next start (this tier's restart, the next tier) gets its room
@@ -422,6 +430,14 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
             + ("page cache not measurable here" if cached is None else
                f"{cached['resident'] / GB:.2f} GB of it in the page cache"
                + (f" ({cached['unread']} files not readable)" if cached["unread"] else "")))
+    fwd = None
+    if taken is not None:
+        fwd = {**forward_passes.summarize(taken, wall), "messages_before": before["messages"]}
+        log(f"[{tier.name}] {fwd['forwards']} forward passes published ({fwd['lost']} lost), "
+            f"{fwd['busy_s']:.1f} s of GPU spans in the {wall:.1f} s phase")
+        if not fwd["forwards"]:
+            log(f"[{tier.name}] WARNING no forward pass reached {forwards.endpoint} "
+                f"({before['messages']} before the phase): the server's log says whether it bound it")
     if disk_io:
         log(f"[{tier.name}] its disk read {disk_io['read'] / GB:.2f} GB and wrote {disk_io['written'] / GB:.2f} GB "
             "in the phase")
@@ -430,7 +446,8 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
             "fs_used_pct": None if fs is None else fs["used_pct"],
             "cpu_server_s": None if cpu0 is None else cpu1 - cpu0,
             "cpu_services_s": None if scpu0 is None or not spids else scpu1 - scpu0,
-            "storage_counters": counters, **({"ram_hold": held} if held is not None else {})}
+            "storage_counters": counters, **({"ram_hold": held} if held is not None else {}),
+            **({"forward_passes": fwd} if fwd is not None else {})}
 
 
 def start_room(args) -> int:
@@ -485,6 +502,18 @@ def start_services(tier: peer_tiers.Tier, args, into: list) -> None:
         into.append(RunningService(x, os.path.join(args.out_dir, f"{tier.name}-service.log"), args.service_timeout))
 
 
+FPM_CONNECT_S = 10.0  # bound on a started server's forward-pass publisher accepting our subscriber
+FPM_QUIET_MAX_S = 10.0  # bound on waiting for the forwards before a phase to stop arriving
+
+
+def subscribed(listener: Optional[forward_passes.Listener], tier: peer_tiers.Tier) -> None:
+    """--forward-metrics: wait (bounded) until a started server's publisher has our subscriber; a phase run
+    without it says so in its row (forwards 0) and in the log."""
+    if listener is not None and not listener.wait_connected(FPM_CONNECT_S):
+        log(f"[{tier.name}] WARNING the server's forward-pass publisher at {listener.endpoint} did not accept a "
+            f"subscriber in {FPM_CONNECT_S:g} s")
+
+
 def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, tokens, args, model: str,
              model_flags: list, common: dict, base_env: dict, saved=lambda rec: None,
              hold: Optional[ram_hold.RamHold] = None) -> dict:
@@ -516,7 +545,16 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
     services: list = []
     warm_tokens = min(8, max(p.output_tokens for p in prompts))  # decode steps compile off the clock too
 
+    # --forward-metrics: each server publishes to its own socket in a private directory; the listener
+    # subscribes before the server starts, so no forward of the phase is missed.
+    fpm_dir = tempfile.mkdtemp(prefix="cpl3-fpm-") if args.forward_metrics else None
+    listeners: dict = {}
+
     def server(flags, tag):
+        if fpm_dir is not None:
+            endpoint = f"ipc://{fpm_dir}/{tag}"
+            listeners[tag] = forward_passes.Listener(endpoint)
+            flags = flags + forward_passes.server_flags(endpoint)
         return harness.ServerProcess(model, model_flags + flags, env=env,
                                      log_path=os.path.join(args.out_dir, f"{tier.name}-{tag}.log"), **common)
 
@@ -525,10 +563,12 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
         srv = server(tier.args, "replay")
         rec["command"] = srv.command()
         srv.start()
+        subscribed(listeners.get("replay"), tier)
         try:
             warm = wl.BlockTokens(64, tokens.vocab, seed=tokens.seed + 1)
             srv.generate(warm.prompt(wl.Prompt(("warm/0", "warm/1"), 128, 1)), warm_tokens)  # off the clock
-            rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args, hold)
+            rec["phases"]["replay"] = run_phase(srv, services, tier, prompts, tokens, args, hold,
+                                                listeners.get("replay"))
         finally:
             srv.stop()
         saved(rec)
@@ -547,8 +587,10 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
             srv = server(tier.restart_args or tier.args, "restart")
             rec["restart_command"] = srv.command()
             srv.start()
+            subscribed(listeners.get("restart"), tier)
             try:
-                rec["phases"]["restart"] = run_phase(srv, services, tier, prompts, tokens, args, hold)
+                rec["phases"]["restart"] = run_phase(srv, services, tier, prompts, tokens, args, hold,
+                                                     listeners.get("restart"))
             finally:
                 srv.stop()
     except harness.ServerStartError as e:
@@ -562,6 +604,10 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
     finally:
         for x in services:
             x.stop()
+        for x in listeners.values():
+            x.close()
+        if fpm_dir is not None:
+            shutil.rmtree(fpm_dir, ignore_errors=True)
         if tier.storage_dirs and not args.keep_storage:
             log(f"[{tier.name}] storage removed ({peer_tiers.free_storage(tier) / GB:.1f} GB), so the next tier "
                 "finds the disk as this one did")
@@ -897,6 +943,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--kv-sensitive", action="store_true",
                    help="test-only weights whose answer is read from the prefix KV (DeepSeek-family models)")
     r.add_argument("--kv-cache-dtype", default="")
+    r.add_argument("--forward-metrics", action="store_true",
+                   help="record every forward pass's GPU span as upstream publishes it (--enable-forward-pass-"
+                        "metrics): whether storage work in the server process slows its forwards")
     r.add_argument("--server-arg", action="append", metavar="ARG", help="one more launch_server argument")
     r.add_argument("--request-timeout", type=float, default=600)
     r.add_argument("--startup-timeout", type=float, default=900)

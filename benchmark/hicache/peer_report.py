@@ -132,6 +132,28 @@ def counters_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def forward_passes_table(result: dict) -> str:
+    """Per tier and phase, the forward passes ``bench_peers run --forward-metrics`` recorded ('' when no
+    phase has them): forward_passes.py says what a span is and why it is read."""
+    rows = [(label(t), phase, ph["forward_passes"]) for t in result["tiers"]
+            for phase, ph in (t.get("phases") or {}).items() if ph.get("forward_passes")]
+    if not rows:
+        return ""
+
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = ["| tier | phase | forwards (lost) | prefill forwards: n, new / cached tokens | prefill spans s, ms per "
+             "1K new tokens | decode-only forwards: n, span p50 / p90 ms | spans / phase wall |",
+             "|" + " --- |" * 7]
+    for tier, phase, f in rows:
+        p, d = f["prefill"], f["decode"]
+        lines.append(f"| {tier} | {phase} | {f['forwards']:,} ({f['lost']:,}) | {p['n']:,}, {p['tokens']:,} / "
+                     f"{p['kv_tokens']:,} | {p['span_s']:.2f}, {num(p['ms_per_1k_tokens'], '.1f')} | {d['n']:,}, "
+                     f"{num(d['p50_ms'], '.1f')} / {num(d['p90_ms'], '.1f')} | {num(f['busy_share'], '.2f')} |")
+    return "\n".join(lines)
+
+
 # upstream's default prefetch_threshold (HiCacheController), the run's unless it set --prefetch-threshold: a
 # storage hit shorter than this many tokens is not fetched, so a request that misses only such a tail lost
 # it to the threshold.
@@ -470,6 +492,13 @@ def markdown(result: dict, rows: list) -> str:
         parts += ["Storage counters from each server's `/metrics` (deltas over the phase; tokens unless named "
                   "pages; upstream's HiCache controller counts the same for every storage backend):", "",
                   counters, ""]
+    forwards = forward_passes_table(result)
+    if forwards:
+        parts += ["Forward passes as each server published them (`--forward-metrics`: upstream's "
+                  "`--enable-forward-pass-metrics`; a span runs from a forward's first kernel start to its last "
+                  "kernel end, launch gaps included, so a scheduler thread kept from its kernel launches, by the "
+                  "GIL or otherwise, lengthens it; the wall time less the spans is time between forwards):", "",
+                  forwards, ""]
     m = meta.get("machine") or {}
     if m:
         parts += [f"Machine: {m.get('gpu') or 'GPU unknown'} on {m.get('host')}; code "
