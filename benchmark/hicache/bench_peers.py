@@ -432,7 +432,8 @@ def run_phase(srv, services: list, tier: peer_tiers.Tier, prompts: list, tokens,
                + (f" ({cached['unread']} files not readable)" if cached["unread"] else "")))
     fwd = None
     if taken is not None:
-        fwd = {**forward_passes.summarize(taken, wall), "messages_before": before["messages"]}
+        fwd = {**forward_passes.summarize(taken, wall), "messages_before": before["messages"],
+               "connected": forwards.connected}
         log(f"[{tier.name}] {fwd['forwards']} forward passes published ({fwd['lost']} lost), "
             f"{fwd['busy_s']:.1f} s of GPU spans in the {wall:.1f} s phase")
         if not fwd["forwards"]:
@@ -503,6 +504,8 @@ def start_services(tier: peer_tiers.Tier, args, into: list) -> None:
 
 
 FPM_CONNECT_S = 10.0  # bound on a started server's forward-pass publisher accepting our subscriber
+# launch_server flags that start more than one data-parallel scheduler (each publishes on its own socket)
+DP_FLAGS = ("--dp-size", "--dp", "--data-parallel-size", "--enable-dp-attention")
 FPM_QUIET_MAX_S = 10.0  # bound on waiting for the forwards before a phase to stop arriving
 
 
@@ -512,6 +515,16 @@ def subscribed(listener: Optional[forward_passes.Listener], tier: peer_tiers.Tie
     if listener is not None and not listener.wait_connected(FPM_CONNECT_S):
         log(f"[{tier.name}] WARNING the server's forward-pass publisher at {listener.endpoint} did not accept a "
             f"subscriber in {FPM_CONNECT_S:g} s")
+
+
+def close_listener(listener: Optional[forward_passes.Listener], tier: peer_tiers.Tier) -> None:
+    """A listener's end never ends the tier: a failure to close is logged, and the tier goes on."""
+    if listener is None:
+        return
+    try:
+        listener.close()
+    except Exception as e:
+        log(f"[{tier.name}] WARNING closing the forward-pass listener at {listener.endpoint}: {e}")
 
 
 def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, tokens, args, model: str,
@@ -571,6 +584,7 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
                                                 listeners.get("replay"))
         finally:
             srv.stop()
+            close_listener(listeners.pop("replay", None), tier)
         saved(rec)
         if "restart" in args.phases and not tier.storage:
             # No storage: a restarted server starts empty, which the replay phase (a fresh server) measured.
@@ -605,7 +619,7 @@ def run_tier(tier: peer_tiers.Tier, s: peer_tiers.TierSettings, prompts: list, t
         for x in services:
             x.stop()
         for x in listeners.values():
-            x.close()
+            close_listener(x, tier)
         if fpm_dir is not None:
             shutil.rmtree(fpm_dir, ignore_errors=True)
         if tier.storage_dirs and not args.keep_storage:
@@ -970,6 +984,10 @@ def main(argv=None) -> int:
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not set(args.phases) <= set(peer_report.PHASES) or "replay" not in args.phases:
         raise SystemExit(f"--phases {','.join(args.phases)}: give replay or replay,restart")
+    dp = [a for a in args.server_arg or () if a.split("=")[0] in DP_FLAGS]
+    if args.forward_metrics and dp:
+        raise SystemExit(f"--forward-metrics with --server-arg {dp[0]}: it listens to data-parallel rank 0 "
+                         "only; drop one of them")
     return cmd_run(args)
 
 

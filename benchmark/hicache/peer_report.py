@@ -143,12 +143,17 @@ def forward_passes_table(result: dict) -> str:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = ["| tier | phase | forwards (lost) | prefill forwards: n, new / cached tokens | prefill spans s, ms per "
-             "1K new tokens | decode-only forwards: n, span p50 / p90 ms | spans / phase wall |",
+    lines = ["| tier | phase | forwards (lost / undecodable) | prefill forwards: n, new / cached tokens | prefill "
+             "spans s, ms per 1K new tokens | decode-only forwards: n, span p50 / p90 ms | spans / phase wall |",
              "|" + " --- |" * 7]
     for tier, phase, f in rows:
         p, d = f["prefill"], f["decode"]
-        lines.append(f"| {tier} | {phase} | {f['forwards']:,} ({f['lost']:,}) | {p['n']:,}, {p['tokens']:,} / "
+        if not f.get("connected", True):  # zeros here would read as a measurement
+            lines.append(f"| {tier} | {phase} | not connected: the server's publisher never accepted the "
+                         "subscriber | - | - | - | - |")
+            continue
+        lines.append(f"| {tier} | {phase} | {f['forwards']:,} ({f['lost']:,} / {f.get('undecodable', 0):,}) | "
+                     f"{p['n']:,}, {p['tokens']:,} / "
                      f"{p['kv_tokens']:,} | {p['span_s']:.2f}, {num(p['ms_per_1k_tokens'], '.1f')} | {d['n']:,}, "
                      f"{num(d['p50_ms'], '.1f')} / {num(d['p90_ms'], '.1f')} | {num(f['busy_share'], '.2f')} |")
     return "\n".join(lines)
@@ -495,10 +500,12 @@ def markdown(result: dict, rows: list) -> str:
     forwards = forward_passes_table(result)
     if forwards:
         parts += ["Forward passes as each server published them (`--forward-metrics`: upstream's "
-                  "`--enable-forward-pass-metrics`; a span runs from a forward's first kernel start to its last "
-                  "kernel end, launch gaps included, so a scheduler thread kept from its kernel launches, by the "
-                  "GIL or otherwise, lengthens it; the wall time less the spans is time between forwards):", "",
-                  forwards, ""]
+                  "`--enable-forward-pass-metrics`; a span is the GPU time of the model's forward call, first "
+                  "kernel start to last kernel end, gaps between kernels included, so where the GPU runs out of "
+                  "queued kernels, as in small decode batches, a scheduler thread kept from its launches (the GIL "
+                  "held by storage work, or otherwise) lengthens it; a pool hit's prefill span also holds the "
+                  "waits for its KV's transfer; the wall time less the spans is scheduling, batch setup, sampling "
+                  "and idle time; `lost`: gaps in the publisher's sequence numbers):", "", forwards, ""]
     m = meta.get("machine") or {}
     if m:
         parts += [f"Machine: {m.get('gpu') or 'GPU unknown'} on {m.get('host')}; code "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -32,6 +33,9 @@ def forward(prefill=0, tokens=0, cached=0, decode=0, span=0.0):
         num_decode_requests=decode))
 
 
+PROBE_DECODES = 99  # a probe forward's mark: no measured forward here carries 99 decode requests
+
+
 def wait_rows(listener, n):
     """What the listener took once it holds at least n forwards (bounded)."""
     got = {"rows": [], "messages": 0, "lost": 0, "undecodable": 0}
@@ -41,17 +45,19 @@ def wait_rows(listener, n):
         got = {"rows": got["rows"] + t["rows"], "messages": got["messages"] + t["messages"],
                "lost": got["lost"] + t["lost"], "undecodable": got["undecodable"] + t["undecodable"]}
         time.sleep(0.05)
+    assert not any(r["decode_reqs"] == PROBE_DECODES for r in got["rows"]), "a probe arrived after the drain"
     return got
 
 
 def subscribed(listener, publish):
-    """Publish probes until one arrives (a SUB socket misses what is sent before it has joined), then empty
-    the listener."""
+    """Publish probes until one arrives (a SUB socket misses what is sent before it has joined), then drain
+    the listener until nothing has come for a while, so no late probe lands among the measured rows."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        publish(forward(decode=1, span=0.001))
+        publish(forward(decode=PROBE_DECODES, span=0.001))
         time.sleep(0.05)
         if listener.take()["rows"]:
+            listener.quiet(WAIT_S)
             return
     pytest.fail(f"no message reached {listener.endpoint} in {WAIT_S} s")
 
@@ -99,20 +105,22 @@ def test_gaps_in_the_publishers_sequence_are_lost_messages_and_heartbeats_are_no
 
     try:
         subscribed(listener, send)
-        base = next(seq)
-        send(forward(decode=1, span=0.01), base + 1)
-        send(fpm.ForwardPassMetrics(worker_id="w"), base + 2)  # the idle heartbeat
-        send(forward(decode=1, span=0.02), base + 5)  # 3 and 4 never sent
-        sock.send_multipart((b"", (base + 6).to_bytes(8, "big"), b"\xc1"))  # msgpack's never-used byte
-        send(forward(prefill=1, tokens=100, span=0.03), base + 7)
+        n = next(seq)  # the next number after the probes': a gap across two takes counts too
+        send(forward(decode=1, span=0.01), n + 1)  # n itself never sent
+        send(fpm.ForwardPassMetrics(worker_id="w"), n + 2)  # the idle heartbeat
+        send(forward(decode=1, span=0.02), n + 5)  # n + 3 and n + 4 never sent
+        sock.send_multipart((b"", (n + 6).to_bytes(8, "big"), b"\xc1"))  # msgpack's never-used byte
+        send(fpm.ForwardPassMetrics(version=2, wall_time=0.5), n + 7)  # a schema this reader does not know
+        send(forward(prefill=1, tokens=100, span=0.03), n + 8)
         taken = wait_rows(listener, 3)
     finally:
         listener.close()
         sock.close(linger=0)
         ctx.term()
-    assert len(taken["rows"]) == 3 and taken["messages"] == 4 and taken["undecodable"] == 1
-    assert taken["lost"] == 3  # 3, 4 and the undecodable 6 are not among the decoded sequence numbers
+    assert len(taken["rows"]) == 3 and taken["messages"] == 6 and taken["undecodable"] == 2
+    assert taken["lost"] == 3  # n, n + 3, n + 4
     assert fp.summarize(taken, 0.0)["busy_share"] is None
+    assert not [t for t in threading.enumerate() if t.name == "fpm-listener" and t.is_alive()]
 
 
 FPM_SERVER = r"""
@@ -210,8 +218,12 @@ def test_a_tier_run_with_forward_metrics_records_each_phases_forwards_and_not_th
     endpoints = [fl[fl.index("--forward-pass-metrics-ipc-name") + 1] for fl in flags_seen]
     assert len(set(endpoints)) == 2 and all("--enable-forward-pass-metrics" in fl for fl in flags_seen)
     assert not any(os.path.exists(e[len("ipc://"):].rsplit("/", 1)[0]) for e in endpoints)  # its directory went
+    assert all(rec["phases"][p]["forward_passes"]["connected"] for p in ("replay", "restart"))
     md = report.markdown({"meta": {}, "prompts": [], "tiers": [rec]}, [])
-    assert "| t | replay | 4 (0) | 2, 128 / 0 |" in md and "`--forward-metrics`" in md
+    assert "| t | replay | 4 (0 / 0) | 2, 128 / 0 |" in md and "`--forward-metrics`" in md
+    rec["phases"]["restart"]["forward_passes"]["connected"] = False  # zeros would read as a measurement
+    assert "| t | restart | not connected:" in report.markdown({"meta": {}, "prompts": [], "tiers": [rec]}, [])
+    assert not [t for t in threading.enumerate() if t.name == "fpm-listener" and t.is_alive()]
 
     flags_seen.clear()
     plain = run()
@@ -219,3 +231,32 @@ def test_a_tier_run_with_forward_metrics_records_each_phases_forwards_and_not_th
     assert not any("--enable-forward-pass-metrics" in fl for fl in flags_seen)
     assert "`--forward-metrics`" not in report.markdown({"meta": {}, "prompts": [], "tiers": [plain]}, [])
     json.dumps(rec)  # what the run saves
+
+
+def test_a_server_that_never_starts_with_forward_metrics_ends_its_tier_and_leaves_nothing(tmp_path, monkeypatch):
+    """The flag on, a stand-in for launch_server that exits at once: the tier is an error row, its listener's
+    thread has ended and its socket directory is gone; data parallelism with the flag is refused at parse."""
+    script = tmp_path / "dies.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    dirs = []
+
+    class Stand(bench.harness.ServerProcess):
+        def command(self):
+            fl = list(map(str, self.extra_args))
+            dirs.append(fl[fl.index("--forward-pass-metrics-ipc-name") + 1][len("ipc://"):].rsplit("/", 1)[0])
+            return [sys.executable, str(script)]
+
+    monkeypatch.setattr(bench.harness, "ServerProcess", Stand)
+    s = tiers.TierSettings(work_dir=str(tmp_path / "w"), host_gb=1, disk_gb=1, free_port=bench.harness.free_port,
+                           prefetch_policy="wait_complete")
+    args = bench.parser().parse_args(["run", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path),
+                                      "--block-tokens", "64", "--forward-metrics"])
+    rec = bench.run_tier(tiers.Tier("t", [], "a stand-in"), s, [wl.Prompt(("d0",), 64, 1)],
+                         wl.BlockTokens(64, 1000, seed=0), args, "unused-model", [], {"startup_timeout_s": 30}, {})
+    assert rec["error"].startswith("did not start") and rec["phases"] == {}
+    assert dirs and not any(os.path.exists(d) for d in dirs)
+    assert not [t for t in threading.enumerate() if t.name == "fpm-listener" and t.is_alive()]
+    with pytest.raises(SystemExit, match=r"--forward-metrics with --server-arg --dp-size=2: it listens to "
+                                         r"data-parallel rank 0 only"):
+        bench.main(["run", "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path), "--forward-metrics",
+                    "--server-arg=--dp-size=2"])
