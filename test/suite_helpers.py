@@ -169,3 +169,19 @@ def answer_sse(handler, chunk: dict) -> None:
     handler.send_header("Content-Type", "text/event-stream")
     handler.end_headers()
     handler.wfile.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
+
+
+def answer_generate(handler, chunk: dict, stream: bool) -> None:
+    """Answer ``/generate`` as sglang's server does: streamed (``answer_sse``), or one JSON body (a tier's
+    non-streaming warm request)."""
+    import json
+
+    if stream:
+        answer_sse(handler, chunk)
+        return
+    data = json.dumps(chunk).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)

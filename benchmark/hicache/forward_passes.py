@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Optional
 
+from benchmark.hicache.peer_report import percentile
+
 POLL_MS = 200  # how long the listener's thread blocks in one receive before it looks at its stop flag
 CLOSE_S = 2.0  # bound on joining that thread
 # After the handshake the SUB socket sends its subscription at once; the publisher's I/O thread takes it in
@@ -169,16 +171,6 @@ class Listener:
             self._ctx.destroy(linger=0)
 
 
-def _pct(xs: list, q: float) -> Optional[float]:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def summarize(taken: dict, wall_s: float) -> dict:
     """A phase's forwards: prefill forwards (any prefill request; mixed ones too) and decode-only ones, each
     with its count and spans, and the spans' share of the phase's wall time."""
@@ -193,7 +185,7 @@ def summarize(taken: dict, wall_s: float) -> dict:
         "forwards": len(rows), "lost": taken["lost"], "undecodable": taken["undecodable"],
         "prefill": {"n": len(prefill), "tokens": tokens, "kv_tokens": sum(r["prefill_kv_tokens"] for r in prefill),
                     "span_s": span_p, "ms_per_1k_tokens": (1e6 * span_p / tokens) if tokens else None},
-        "decode": {"n": len(decode), "span_s": sum(dspans), "p50_ms": None if not dspans else 1e3 * _pct(dspans, 50),
-                   "p90_ms": None if not dspans else 1e3 * _pct(dspans, 90)},
+        "decode": {"n": len(decode), "span_s": sum(dspans), "p50_ms": None if not dspans else 1e3 * percentile(dspans, 50),
+                   "p90_ms": None if not dspans else 1e3 * percentile(dspans, 90)},
         "busy_s": busy, "busy_share": (busy / wall_s) if wall_s else None,
     }

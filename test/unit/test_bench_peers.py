@@ -934,7 +934,7 @@ import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, sys.argv[3])
-from suite_helpers import answer_sse
+from suite_helpers import answer_generate
 
 seen = open(sys.argv[2], "a")
 
@@ -949,15 +949,7 @@ class H(BaseHTTPRequestHandler):
         seen.write(f"{len(body['input_ids'])}\n")
         seen.flush()
         chunk = {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}}
-        if body.get("stream"):
-            answer_sse(self, chunk)
-        else:  # the non-streaming /generate (a tier's warm request)
-            data = json.dumps(chunk).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+        answer_generate(self, chunk, bool(body.get("stream")))
 
     def log_message(self, *a):
         pass

@@ -128,7 +128,7 @@ import json, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, sys.argv[3])
-from suite_helpers import answer_sse
+from suite_helpers import answer_generate
 from sglang.srt.observability.forward_pass_metrics import (
     ForwardPassMetrics, ScheduledRequestMetrics, _FpmPublisherThread)
 
@@ -150,15 +150,7 @@ class H(BaseHTTPRequestHandler):
         if pub is not None:
             self.forwards(n)
         chunk = {"output_ids": [1], "meta_info": {"cached_tokens": 0, "cached_tokens_details": {}}}
-        if body.get("stream"):
-            answer_sse(self, chunk)
-        else:
-            data = json.dumps(chunk).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+        answer_generate(self, chunk, bool(body.get("stream")))
 
     @staticmethod
     def forwards(n):
